@@ -1,0 +1,1 @@
+"""Privacy accounting on Google's dp-accounting."""

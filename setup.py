@@ -1,0 +1,22 @@
+from setuptools import setup
+
+setup(
+    name="privacy-engine",
+    version="0.1.0",
+    description="Differentially private training for PyTorch: exact per-sample gradients, "
+    "clipping, Gaussian and BandMF noise, dp-accounting accountants.",
+    packages=["privacy_engine", "grad_samplers", "accountants"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.2",
+        "numpy",
+        "scipy",
+        "dp-accounting>=0.4",
+        "tqdm",
+    ],
+    extras_require={
+        "tutorials": ["scikit-learn", "matplotlib"],
+        "benchmarks": ["opacus>=1.5"],
+        "test": ["pytest", "hypothesis", "scikit-learn"],
+    },
+)
