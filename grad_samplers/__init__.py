@@ -1,0 +1,30 @@
+"""Per-layer samplers of exact per-sample gradients (and, where a layer allows, of their norms).
+
+Importing this package registers the built-in samplers. Any module that owns parameters and has no
+sampler here goes through the ``torch.func`` fallback (``grad_samplers.functorch_fallback``).
+"""
+
+from grad_samplers.registry import (
+    ENTRY_POINT_GROUP,
+    grad_sampler_for,
+    load_plugins,
+    norm_sampler_for,
+    register_grad_sampler,
+    register_norm_sampler,
+    register_weighted_sum_sampler,
+    registered_grad_samplers,
+    weighted_sum_sampler_for,
+)
+from grad_samplers import linear  # noqa: F401  (registers nn.Linear)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "grad_sampler_for",
+    "load_plugins",
+    "norm_sampler_for",
+    "register_grad_sampler",
+    "register_norm_sampler",
+    "register_weighted_sum_sampler",
+    "registered_grad_samplers",
+    "weighted_sum_sampler_for",
+]

@@ -1,0 +1,71 @@
+"""The per-example clipping rule shared by every clipping path (materialised and fast).
+
+Both paths compute per-example gradient norms their own way and then call ``clip_factors``; the clipped
+sum is ``sum_i factor_i * g_i``. Keeping the rule in one place keeps the two paths' guarantees equal.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def validate_max_grad_norm(max_grad_norm: float, *, name: str = "max_grad_norm") -> float:
+    """Return ``max_grad_norm`` as a float, or raise naming ``name`` if it is negative or NaN."""
+    value = float(max_grad_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be >= 0 (inf disables clipping); got {max_grad_norm!r}")
+    return value
+
+
+def clip_factors(
+    per_sample_norms: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    rescale_to_unit_norm: bool = False,
+    padding_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-example factors ``f`` such that ``f[i] * g_i`` has L2 norm at most ``max_grad_norm``.
+
+    ``f[i] = min(1, C / ||g_i||)`` with ``C = max_grad_norm``. With ``rescale_to_unit_norm`` the factors
+    are further divided by ``C`` so every clipped gradient has norm at most 1 (the noise is then drawn
+    with standard deviation ``noise_multiplier`` instead of ``noise_multiplier * C``).
+
+    Guarantee: for every example, ``f[i] * ||g_i|| <= C`` (``<= 1`` rescaled), up to float rounding,
+    whatever the norms are: non-finite norms get factor 0, so such an example contributes nothing.
+
+    =========================  ==============================================
+    case                       factor
+    =========================  ==============================================
+    ``C = 0``                  0 for every example (rescaling: ValueError)
+    ``C = inf``                1 (no clipping; rescaling: ValueError)
+    ``||g_i|| = 0``            1 (the example contributes its zero gradient)
+    ``||g_i||`` NaN or Inf     0 (the example is dropped; the bound holds)
+    padding_mask[i] True       0 (padding examples contribute exactly zero)
+    ``C < 0`` or NaN           ValueError
+    =========================  ==============================================
+    """
+    bound = validate_max_grad_norm(max_grad_norm)
+    if rescale_to_unit_norm and (bound == 0 or math.isinf(bound)):
+        raise ValueError(f"rescale_to_unit_norm needs a finite max_grad_norm > 0; got {max_grad_norm!r}")
+    norms = per_sample_norms.detach()
+    if bound == 0:
+        factors = torch.zeros_like(norms)
+    elif math.isinf(bound):
+        factors = torch.ones_like(norms)
+    else:
+        # Dividing by max(norm, C) gives exactly 1 for small norms and C/norm above the bound,
+        # and never divides by zero.
+        factors = bound / torch.clamp(norms, min=bound)
+        if rescale_to_unit_norm:
+            factors = factors / bound
+    factors = torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+    if padding_mask is not None:
+        if padding_mask.shape != norms.shape:
+            raise ValueError(
+                f"padding_mask has shape {tuple(padding_mask.shape)}; expected {tuple(norms.shape)} (one flag per example)"
+            )
+        factors = factors.masked_fill(padding_mask.to(device=factors.device, dtype=torch.bool), 0.0)
+    return factors

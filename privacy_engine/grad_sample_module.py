@@ -1,0 +1,407 @@
+"""GradSampleModule: wrap an ``nn.Module`` so that every backward pass also yields exact per-sample
+gradients in ``param.grad_sample``.
+
+How it works, per submodule that directly owns parameters:
+
+- a layer with a registered grad sampler (``grad_samplers``) gets a forward hook that keeps its
+  (detached) inputs and puts a gradient hook on its output; when the output's gradient arrives the
+  sampler turns inputs and output gradient into per-sample gradients, and the inputs are dropped;
+- any other module is handed to the ``torch.func`` fallback, which runs its forward under ``vmap``
+  with one view of its parameters per example (it claims the module's whole subtree).
+
+Per-sample gradients add up: over several calls of a module in one forward, over modules sharing a
+parameter (tied embeddings), and over several backward passes until ``clear_grad_sample()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from functools import partial
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from grad_samplers import grad_sampler_for
+from grad_samplers.functorch_fallback import per_sample_forward
+from grad_samplers.registry import GradSampler
+from privacy_engine.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+# Every module currently hooked by some GradSampleModule: wrapping one twice would count twice.
+_HOOKED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class ParameterUsageError(RuntimeError):
+    """A parameter received gradient that its owning module's per-sample gradients do not explain."""
+
+
+class GradSampleModule(nn.Module):
+    """Wraps ``module``; after ``loss.backward()`` each trainable parameter ``p`` holds
+    ``p.grad_sample`` of shape ``(batch, *p.shape)`` next to the ordinary ``p.grad``.
+
+    Guarantee: ``p.grad_sample[i]`` is the gradient of example ``i``'s own loss term with respect to
+    ``p`` (exact, not an estimate), so that ``p.grad_sample.sum(0)`` equals ``p.grad`` for
+    ``loss_reduction="sum"`` and ``batch * p.grad`` for ``"mean"``. At the first backward this is
+    checked for every parameter: a parameter whose gradient is not explained by its owning module's
+    per-sample gradients (used outside that module's forward) raises ``ParameterUsageError``.
+
+    ==============================  ==================================================
+    case                            behaviour
+    ==============================  ==================================================
+    module called twice in forward  contributions summed per example
+    parameter shared by modules     contributions summed per example (tied weights)
+    two backward passes             summed until ``clear_grad_sample()``/``zero_grad``
+    frozen parameter                no ``grad_sample``
+    eval mode / ``torch.no_grad``   nothing captured, nothing kept
+    BatchNorm in training mode      ``UnsupportedModuleError`` (use GroupNorm)
+    Embedding max_norm / sparse     ``UnsupportedModuleError``
+    batch sizes differ in forward   ``ValueError`` naming both modules
+    sampler returns a wrong shape   ``RuntimeError`` naming the sampler and module
+    backward twice on one forward   ``RuntimeError`` (inputs were freed after use)
+    ==============================  ==================================================
+
+    Args:
+        module: the model. It is not copied; ``to_standard_module()`` gives it back unchanged.
+        batch_first: whether the batch is dim 0 (True) or dim 1 (False) of inputs and outputs.
+        loss_reduction: ``"mean"`` if the loss averages over the batch (its 1/B is undone),
+            ``"sum"`` if it sums.
+        strict: raise on the wrap-time problems above (True) or only warn (False: the per-sample
+            gradients of the offending modules are then not trustworthy).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"GradSampleModule wraps an nn.Module; got {type(module).__name__}")
+        if isinstance(module, GradSampleModule):
+            raise ValueError("module is already a GradSampleModule; wrap the original module once")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        for path, submodule in module.named_modules():
+            if submodule in _HOOKED_MODULES:
+                raise ValueError(
+                    f"{module_label(path)} is already hooked by another GradSampleModule; call "
+                    f"to_standard_module() on that wrapper first"
+                )
+        problems = find_problems(module)
+        if problems and strict:
+            raise UnsupportedModuleError("cannot compute per-sample gradients:\n- " + "\n- ".join(problems))
+        for problem in problems:
+            warnings.warn(f"strict=False: {problem}")
+
+        super().__init__()
+        self._module = module
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+        self.strict = strict
+        self._batch_dim = 0 if batch_first else 1
+        self._param_names: Dict[nn.Parameter, str] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(param, name)
+        self._batchnorms = [(p, m) for p, m in module.named_modules() if isinstance(m, _BatchNorm)]
+        self._handles: List[torch.utils.hooks.RemovableHandle] = []
+        self._patched: List[nn.Module] = []
+        self._owner_paths: Dict[nn.Parameter, str] = {}
+        self._in_forward = False
+        self._inside_fallback = False
+        self._forward_batch: Optional[Tuple[str, int]] = None
+        self._check_state = "pending"  # -> "armed" at the first forward, "done" after the first backward
+        self._grads_before: Dict[nn.Parameter, Optional[torch.Tensor]] = {}
+        self._check_sums: Dict[nn.Parameter, torch.Tensor] = {}
+        self._check_handles: List[torch.utils.hooks.RemovableHandle] = []
+        try:
+            for path, layer, sampler in self._plan(module):
+                self._attach(path, layer, sampler)
+        except BaseException:
+            self._detach()
+            raise
+
+    # ------------------------------------------------------------------ wrapping
+    @staticmethod
+    def _plan(root: nn.Module) -> List[Tuple[str, nn.Module, Optional[GradSampler]]]:
+        """(path, module, sampler or None for the fallback) for each module owning parameters."""
+        plan: List[Tuple[str, nn.Module, Optional[GradSampler]]] = []
+
+        def visit(path: str, module: nn.Module) -> None:
+            owns_parameters = next(module.parameters(recurse=False), None) is not None
+            sampler = grad_sampler_for(module)
+            if owns_parameters:
+                plan.append((path, module, sampler))
+                if sampler is None:
+                    return  # the fallback differentiates the whole subtree
+            for name, child in module.named_children():
+                visit(f"{path}.{name}" if path else name, child)
+
+        visit("", root)
+        return plan
+
+    def _attach(self, path: str, layer: nn.Module, sampler: Optional[GradSampler]) -> None:
+        owned = layer.parameters(recurse=sampler is None)
+        for param in owned:
+            self._owner_paths.setdefault(param, path)
+        if sampler is not None:
+            handle = layer.register_forward_hook(partial(self._capture, path, sampler), with_kwargs=True)
+            self._handles.append(handle)
+        else:
+            self._patch_forward(path, layer)
+        _HOOKED_MODULES.add(layer)
+
+    def _detach(self) -> None:
+        for handle in self._handles + self._check_handles:
+            handle.remove()
+        self._handles, self._check_handles = [], []
+        for module in self._patched:
+            del module.forward
+        self._patched = []
+        for module in self._module.modules():
+            _HOOKED_MODULES.discard(module)
+
+    def to_standard_module(self) -> nn.Module:
+        """Remove every hook and attribute this wrapper added and return the original module."""
+        self._detach()
+        for param in self._module.parameters():
+            if hasattr(param, "grad_sample"):
+                del param.grad_sample
+        return self._module
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        for path, batchnorm in self._batchnorms:
+            if batchnorm.training and torch.is_grad_enabled():
+                if self.strict:
+                    raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
+        if self._check_state != "done" and self.training and torch.is_grad_enabled():
+            self._arm_usage_check()
+        self._forward_batch = None
+        self._in_forward = True
+        try:
+            return self._module(*args, **kwargs)
+        finally:
+            self._in_forward = False
+
+    def _note_batch_size(self, path: str, batch_size: int) -> None:
+        if not self._in_forward:
+            return
+        if self._forward_batch is None:
+            self._forward_batch = (path, batch_size)
+        elif self._forward_batch[1] != batch_size:
+            first_path, first_size = self._forward_batch
+            raise ValueError(
+                f"the batch size differs between inputs of one forward: {module_label(path)} got "
+                f"{batch_size} examples (dim {self._batch_dim}) but {module_label(first_path)} got "
+                f"{first_size}. Give every input the same batch size (batch_first={self.batch_first})."
+            )
+
+    def _capture(self, path: str, sampler: GradSampler, layer: nn.Module, args, kwargs, output):
+        if not (layer.training and torch.is_grad_enabled()):
+            return None
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return None
+        if not any(p.requires_grad for p in layer.parameters(recurse=False)):
+            return None
+        self._note_batch_size(path, output.shape[self._batch_dim])
+        if kwargs:
+            bound = inspect.signature(layer.forward).bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        held = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)]
+
+        def on_output_grad(backprops: torch.Tensor) -> None:
+            activations = held[0]
+            if activations is None:
+                raise RuntimeError(
+                    f"{module_label(path)}: a second backward pass ran through the same forward "
+                    f"(retain_graph=True). Its inputs were freed after the first; run a new forward "
+                    f"for each backward."
+                )
+            held[0] = None  # free the inputs as soon as their backward has run
+            self._layer_backward(path, layer, sampler, activations, backprops)
+
+        hooked, reshape_to = output, None
+        if output._base is not None:
+            # A hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
+            # after a Linear on 3-D input): hook its base instead when the view is a plain reshape,
+            # otherwise hand back a copy that owns its storage.
+            base = output._base
+            if base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous():
+                hooked, reshape_to = base, output.shape
+            else:
+                output = hooked = output.clone()
+        if reshape_to is None:
+            hooked.register_hook(on_output_grad)
+        else:
+            hooked.register_hook(lambda grad: on_output_grad(grad.view(reshape_to)))
+        return output
+
+    def _patch_forward(self, path: str, module: nn.Module) -> None:
+        original = module.forward
+        named_params = list(module.named_parameters())
+
+        def forward(*args, **kwargs):
+            if self._inside_fallback or not (module.training and torch.is_grad_enabled()):
+                return original(*args, **kwargs)
+            params = {name: p for name, p in named_params if p.requires_grad}
+            if not params:
+                return original(*args, **kwargs)
+            self._inside_fallback = True
+            try:
+                output = per_sample_forward(
+                    module,
+                    original,
+                    args,
+                    kwargs,
+                    params=params,
+                    batch_dim=self._batch_dim,
+                    module_path=path,
+                    on_per_sample_grad=self._fallback_backward,
+                )
+            finally:
+                self._inside_fallback = False
+            first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+            if first is not None:
+                self._note_batch_size(path, first.shape[self._batch_dim])
+            return output
+
+        module.forward = forward
+        self._patched.append(module)
+
+    # ------------------------------------------------------------------ backward
+    def _layer_backward(self, path: str, layer: nn.Module, sampler: GradSampler, activations, backprops) -> None:
+        if self._batch_dim != 0:
+            backprops = backprops.movedim(self._batch_dim, 0)
+            activations = tuple(
+                a.movedim(self._batch_dim, 0) if isinstance(a, torch.Tensor) and a.dim() > self._batch_dim else a
+                for a in activations
+            )
+        batch_size = backprops.shape[0]
+        if self.loss_reduction == "mean":
+            backprops = backprops * batch_size
+        per_sample = sampler(layer, activations, backprops)
+        for param, grads in per_sample.items():
+            expected = (batch_size, *param.shape)
+            if tuple(grads.shape) != expected:
+                raise RuntimeError(
+                    f"grad sampler {getattr(sampler, '__qualname__', sampler)!r} for {module_label(path)} "
+                    f"({type(layer).__name__}) returned shape {tuple(grads.shape)} for parameter "
+                    f"{self._param_names.get(param, '?')!r}; expected {expected} (batch, *param.shape)"
+                )
+            self._accumulate(param, grads, batch_size)
+
+    def _fallback_backward(self, param: nn.Parameter, grads: torch.Tensor) -> None:
+        batch_size = grads.shape[0]
+        if self.loss_reduction == "mean":
+            grads = grads * batch_size
+        self._accumulate(param, grads, batch_size)
+
+    def _accumulate(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
+        if self._check_state == "armed":
+            self._record_for_usage_check(param, grads, batch_size)
+        existing = getattr(param, "grad_sample", None)
+        # Out of place: `grads` may alias the autograd buffer still in use by this backward.
+        param.grad_sample = grads if existing is None else existing + grads
+
+    # ------------------------------------------------------------------ first-backward check
+    def _arm_usage_check(self) -> None:
+        """Snapshot gradients so the first backward can verify sum_i grad_sample[i] == grad."""
+        for handle in self._check_handles:
+            handle.remove()
+        trainable = [p for p in self._owner_paths if p.requires_grad]
+        self._grads_before = {p: None if p.grad is None else p.grad.detach().clone() for p in trainable}
+        self._check_sums = {}
+        self._check_handles = [p.register_post_accumulate_grad_hook(self._verify_parameter) for p in trainable]
+        self._check_state = "armed"
+
+    def _record_for_usage_check(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
+        if not self._check_sums:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_usage_check)
+        total = grads.detach().sum(0)
+        if self.loss_reduction == "mean":
+            total = total / batch_size
+        previous = self._check_sums.get(param)
+        self._check_sums[param] = total if previous is None else previous + total
+
+    def _verify_parameter(self, param: nn.Parameter) -> None:
+        if self._check_state != "armed":
+            return
+        name = self._param_names.get(param, "?")
+        owner = module_label(self._owner_paths.get(param, "?"))
+        before = self._grads_before.get(param)
+        received = param.grad.detach() if before is None else param.grad.detach() - before
+        explained = self._check_sums.get(param)
+        if explained is None:
+            self._check_state = "done"
+            raise ParameterUsageError(
+                f"parameter {name!r} received a gradient but its owner {owner} produced no per-sample "
+                f"gradient: it is used outside the forward of the module that owns it. Call the owning "
+                f"module instead of reading its parameter directly (or move the computation into a "
+                f"module that owns the parameter)."
+            )
+        tolerance = 1e-3 if received.dtype in (torch.float32, torch.float64) else 3e-2
+        scale = max(float(received.norm()), float(explained.norm()))
+        if float((received - explained).norm()) > tolerance * scale + 1e-12:
+            self._check_state = "done"
+            raise ParameterUsageError(
+                f"parameter {name!r}: its gradient is not the sum of its per-sample gradients computed in "
+                f"{owner}: it is also used outside the forward of that module. Route every use through "
+                f"the owning module."
+            )
+
+    def _finish_usage_check(self) -> None:
+        for handle in self._check_handles:
+            handle.remove()
+        self._check_handles = []
+        self._grads_before, self._check_sums = {}, {}
+        if self._check_state == "armed":
+            self._check_state = "done"
+
+    # ------------------------------------------------------------------ utilities
+    def clear_grad_sample(self) -> None:
+        """Drop every parameter's per-sample gradients (frees their memory)."""
+        for param in self._module.parameters():
+            if getattr(param, "grad_sample", None) is not None:
+                param.grad_sample = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.clear_grad_sample()
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict: same keys as without the wrapper."""
+        return self._module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":
+                raise
+            return getattr(self._module, name)
+
+    @property
+    def wrapped_module(self) -> nn.Module:
+        return self._module
+
+    def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+
+def per_sample_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Name -> ``grad_sample`` for every parameter that has one (a convenience for inspection)."""
+    return {n: p.grad_sample for n, p in model.named_parameters() if getattr(p, "grad_sample", None) is not None}
+
+
+__all__ = ["GradSampleModule", "ParameterUsageError", "per_sample_gradients", "LOSS_REDUCTIONS"]
