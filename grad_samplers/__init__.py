@@ -16,6 +16,10 @@ from grad_samplers.registry import (
     weighted_sum_sampler_for,
 )
 from grad_samplers import linear  # noqa: F401  (registers nn.Linear)
+from grad_samplers import conv  # noqa: F401  (registers nn.Conv1d/2d/3d)
+from grad_samplers import conv_transpose  # noqa: F401  (registers nn.ConvTranspose1d/2d/3d)
+from grad_samplers import embedding  # noqa: F401  (registers nn.Embedding, nn.EmbeddingBag)
+from grad_samplers import normalization  # noqa: F401  (registers LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -29,3 +29,162 @@ def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -
     if layer.bias is not None and layer.bias.requires_grad:
         per_sample[layer.bias] = grads.sum(dim=1)
     return per_sample
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fast clipping: per-example squared norms and per-example-weighted sums without per-sample gradients.
+# An example's weight gradient is G^T A, with A its inputs (positions x in_features) and G its output
+# gradient (positions x out_features); its bias gradient is G summed over positions.
+from grad_samplers.registry import register_norm_sampler, register_weighted_sum_sampler
+
+# The direct form materialises G^T A for a block of examples at a time; this caps the block (elements).
+_DIRECT_FORM_BLOCK_ELEMENTS = 1 << 22
+
+
+def linear_weight_norm_form(num_positions: int, in_features: int, out_features: int) -> str:
+    """How ``linear_squared_norms`` computes an example's squared weight-gradient norm, by cost.
+
+    ============  ===============================================  ===================================
+    form          formula                                          multiply-adds per example
+    ============  ===============================================  ===================================
+    "rank_one"    one position: ``||G||^2 * ||A||^2``               ``in + out``
+    "gram"        ``<A A^T, G G^T>``                                ``positions^2 * (in + out)``
+    "direct"      ``||G^T A||^2`` (materialised, a block at a time) ``positions * in * out``
+    ============  ===============================================  ===================================
+
+    The Gram form is chosen when it needs fewer multiply-adds than the direct form.
+    """
+    if num_positions <= 1:
+        return "rank_one"
+    if num_positions * (in_features + out_features) < in_features * out_features:
+        return "gram"
+    return "direct"
+
+
+def _linear_operands(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch, positions, in)`` inputs and ``(batch, positions, out)`` gradients in a common dtype."""
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise ValueError(
+            f"Linear per-sample norms need a batched input (batch, ..., in_features); got input of shape {shape}. "
+            f"Add the batch dimension (input.unsqueeze(0) for a single example)."
+        )
+    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+    batch_size = backprops.shape[0]
+    sequences = inputs.to(dtype).reshape(batch_size, -1, inputs.shape[-1])
+    grads = backprops.to(dtype).reshape(batch_size, -1, backprops.shape[-1])
+    return sequences, grads
+
+
+def linear_squared_norms(
+    inputs: torch.Tensor, backprops: torch.Tensor, *, weight: bool = True, bias: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-example squared L2 norms ``(batch,)`` of a linear map's weight and bias gradients.
+
+    Guarantee: equal (up to float rounding) to ``||linear_grad_sample(...)[p][i]||^2`` for the weight
+    and the bias, for inputs of any rank >= 2 (positions are every dimension between batch and
+    features), without forming a ``(batch, out, in)`` tensor except in blocks of
+    ``_DIRECT_FORM_BLOCK_ELEMENTS`` when the direct form is the cheapest (``linear_weight_norm_form``).
+
+    ===========================  =====================================
+    case                         result
+    ===========================  =====================================
+    ``weight=False``/``bias``    that entry is None
+    zero output gradient         0
+    NaN/Inf in inputs or grads   NaN/Inf for that example (not hidden)
+    input of rank < 2            ValueError
+    ===========================  =====================================
+    """
+    sequences, grads = _linear_operands(inputs, backprops)
+    batch_size, num_positions, in_features = sequences.shape
+    out_features = grads.shape[-1]
+    weight_norms = bias_norms = None
+    if weight:
+        form = linear_weight_norm_form(num_positions, in_features, out_features)
+        if form == "rank_one":
+            weight_norms = grads.square().sum(dim=(1, 2)) * sequences.square().sum(dim=(1, 2))
+        elif form == "gram":
+            input_gram = torch.bmm(sequences, sequences.transpose(1, 2))
+            grad_gram = torch.bmm(grads, grads.transpose(1, 2))
+            weight_norms = (input_gram * grad_gram).sum(dim=(1, 2))
+        else:
+            block = max(1, _DIRECT_FORM_BLOCK_ELEMENTS // (in_features * out_features))
+            weight_norms = torch.cat(
+                [
+                    torch.bmm(grads[start : start + block].transpose(1, 2), sequences[start : start + block])
+                    .square()
+                    .sum(dim=(1, 2))
+                    for start in range(0, batch_size, block)
+                ]
+            )
+    if bias:
+        bias_norms = grads.sum(dim=1).square().sum(dim=1)
+    return weight_norms, bias_norms
+
+
+def linear_weighted_sums(
+    inputs: torch.Tensor, backprops: torch.Tensor, weights: torch.Tensor, *, weight: bool = True, bias: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``sum_i weights[i] * g_i`` for a linear map's weight ``(out, in)`` and bias ``(out,)``.
+
+    Guarantee: equal (up to float rounding) to the weighted sum of ``linear_grad_sample``'s per-sample
+    gradients; computed as one ordinary weight-gradient product with each example's rows scaled.
+
+    ===========================  =====================================
+    case                         result
+    ===========================  =====================================
+    all weights 0 (finite data)  zeros
+    weight 0, NaN in its rows    NaN (zero the rows first to drop them)
+    ``weight=False``/``bias``    that entry is None
+    ===========================  =====================================
+    """
+    sequences, grads = _linear_operands(inputs, backprops)
+    in_features, out_features = sequences.shape[-1], grads.shape[-1]
+    per_example = weights.to(grads.dtype).view(-1, 1, 1)
+    # Scale whichever operand is narrower: fewer multiplications, same product.
+    if out_features <= in_features or not weight:
+        grads = grads * per_example
+    else:
+        sequences = sequences * per_example
+    flat_grads = grads.reshape(-1, out_features)
+    weight_sum = flat_grads.t().mm(sequences.reshape(-1, in_features)) if weight else None
+    bias_sum = None
+    if bias:
+        bias_sum = flat_grads.sum(dim=0) if (out_features <= in_features or not weight) else torch.mv(
+            flat_grads.t(), per_example.expand(-1, grads.shape[1], 1).reshape(-1)
+        )
+    return weight_sum, bias_sum
+
+
+@register_norm_sampler(nn.Linear)
+def linear_norm_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example squared gradient norms of ``layer.weight`` and ``layer.bias`` (trainable ones only);
+    see ``linear_squared_norms`` for the guarantee and the choice of form."""
+    train_bias = layer.bias is not None and layer.bias.requires_grad
+    weight_norms, bias_norms = linear_squared_norms(
+        activations[0], backprops, weight=layer.weight.requires_grad, bias=train_bias
+    )
+    norms: dict[nn.Parameter, torch.Tensor] = {}
+    if weight_norms is not None:
+        norms[layer.weight] = weight_norms
+    if bias_norms is not None:
+        norms[layer.bias] = bias_norms
+    return norms
+
+
+@register_weighted_sum_sampler(nn.Linear)
+def linear_weighted_sum(
+    layer: nn.Linear, activations, backprops: torch.Tensor, weights: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """``sum_i weights[i] * g_i`` for ``layer.weight`` and ``layer.bias`` (trainable ones only); see
+    ``linear_weighted_sums``."""
+    train_bias = layer.bias is not None and layer.bias.requires_grad
+    weight_sum, bias_sum = linear_weighted_sums(
+        activations[0], backprops, weights, weight=layer.weight.requires_grad, bias=train_bias
+    )
+    sums: dict[nn.Parameter, torch.Tensor] = {}
+    if weight_sum is not None:
+        sums[layer.weight] = weight_sum
+    if bias_sum is not None:
+        sums[layer.bias] = bias_sum
+    return sums

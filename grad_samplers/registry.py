@@ -106,11 +106,13 @@ def load_plugins(*, reload: bool = False) -> None:
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             loaded = entry_point.load()
-        except Exception as error:  # a broken plugin must not break every model
-            warnings.warn(f"grad-sampler plugin {entry_point.name!r} ({entry_point.value}) failed to load: {error}")
-            continue
-        if callable(loaded) and not isinstance(loaded, type):
-            loaded()
+            if callable(loaded) and not isinstance(loaded, type):
+                loaded()
+        except Exception as error:  # a broken plugin must not break every model, nor the plugins after it
+            warnings.warn(
+                f"grad-sampler plugin {entry_point.name!r} ({entry_point.value}) failed to load: {error}",
+                stacklevel=2,
+            )
 
 
 def grad_sampler_for(layer: nn.Module) -> Optional[GradSampler]:

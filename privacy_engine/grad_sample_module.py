@@ -57,7 +57,8 @@ class GradSampleModule(nn.Module):
     parameter shared by modules     contributions summed per example (tied weights)
     two backward passes             summed until ``clear_grad_sample()``/``zero_grad``
     frozen parameter                no ``grad_sample``
-    eval mode / ``torch.no_grad``   nothing captured, nothing kept
+    wrapper in eval / ``no_grad``   nothing captured, nothing kept
+    a layer in eval, wrapper train  captured as usual (BatchNorm with frozen statistics)
     BatchNorm in training mode      ``UnsupportedModuleError`` (use GroupNorm)
     Embedding max_norm / sparse     ``UnsupportedModuleError``
     batch sizes differ in forward   ``ValueError`` naming both modules
@@ -112,12 +113,14 @@ class GradSampleModule(nn.Module):
         self._batchnorms = [(p, m) for p, m in module.named_modules() if isinstance(m, _BatchNorm)]
         self._handles: List[torch.utils.hooks.RemovableHandle] = []
         self._patched: List[nn.Module] = []
+        # forward overrides set on an instance before wrapping: put back on unwrapping, not deleted
+        self._instance_forwards: Dict[nn.Module, object] = {}
+        self._released = False
         self._owner_paths: Dict[nn.Parameter, str] = {}
         self._in_forward = False
         self._inside_fallback = False
         self._forward_batch: Optional[Tuple[str, int]] = None
         self._check_state = "pending"  # -> "armed" at the first forward, "done" after the first backward
-        self._grads_before: Dict[nn.Parameter, Optional[torch.Tensor]] = {}
         self._check_sums: Dict[nn.Parameter, torch.Tensor] = {}
         self._check_handles: List[torch.utils.hooks.RemovableHandle] = []
         try:
@@ -163,12 +166,18 @@ class GradSampleModule(nn.Module):
         self._handles, self._check_handles = [], []
         for module in self._patched:
             del module.forward
+            if module in self._instance_forwards:
+                module.forward = self._instance_forwards.pop(module)
         self._patched = []
         for module in self._module.modules():
             _HOOKED_MODULES.discard(module)
 
     def to_standard_module(self) -> nn.Module:
-        """Remove every hook and attribute this wrapper added and return the original module."""
+        """Remove every hook and attribute this wrapper added and return the original module.
+
+        The wrapper is unusable afterwards: calling it raises instead of silently computing nothing.
+        """
+        self._released = True
         self._detach()
         for param in self._module.parameters():
             if hasattr(param, "grad_sample"):
@@ -177,12 +186,23 @@ class GradSampleModule(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        if self._released:
+            raise RuntimeError(
+                "this GradSampleModule was unwrapped by to_standard_module(); call the returned module, "
+                "or wrap it again for per-sample gradients"
+            )
         for path, batchnorm in self._batchnorms:
             if batchnorm.training and torch.is_grad_enabled():
                 if self.strict:
                     raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
-        if self._check_state != "done" and self.training and torch.is_grad_enabled():
-            self._arm_usage_check()
+        if self._check_state != "done":
+            if self.training and torch.is_grad_enabled():
+                self._arm_usage_check()
+            elif self._check_state == "armed":
+                # A training forward that never reached backward must not judge this one, which computes
+                # no per-sample gradients by design.
+                self._finish_usage_check()
+                self._check_state = "pending"
         self._forward_batch = None
         self._in_forward = True
         try:
@@ -204,7 +224,9 @@ class GradSampleModule(nn.Module):
             )
 
     def _capture(self, path: str, sampler: GradSampler, layer: nn.Module, args, kwargs, output):
-        if not (layer.training and torch.is_grad_enabled()):
+        # The wrapper's mode decides, not the layer's: a layer kept in eval mode while the model trains
+        # (BatchNorm with frozen statistics, trainable affine) still needs its per-sample gradients.
+        if not (self.training and torch.is_grad_enabled()):
             return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
@@ -246,10 +268,12 @@ class GradSampleModule(nn.Module):
 
     def _patch_forward(self, path: str, module: nn.Module) -> None:
         original = module.forward
+        if "forward" in module.__dict__:
+            self._instance_forwards[module] = module.__dict__["forward"]
         named_params = list(module.named_parameters())
 
         def forward(*args, **kwargs):
-            if self._inside_fallback or not (module.training and torch.is_grad_enabled()):
+            if self._inside_fallback or not (self.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
             params = {name: p for name, p in named_params if p.requires_grad}
             if not params:
@@ -287,7 +311,15 @@ class GradSampleModule(nn.Module):
         batch_size = backprops.shape[0]
         if self.loss_reduction == "mean":
             backprops = backprops * batch_size
-        per_sample = sampler(layer, activations, backprops)
+        if batch_size == 0:
+            # Poisson sampling can draw an empty batch; samplers need not handle that case themselves.
+            per_sample = {
+                param: torch.zeros((0, *param.shape), dtype=param.dtype, device=param.device)
+                for param in layer.parameters(recurse=False)
+                if param.requires_grad
+            }
+        else:
+            per_sample = sampler(layer, activations, backprops)
         for param, grads in per_sample.items():
             expected = (batch_size, *param.shape)
             if tuple(grads.shape) != expected:
@@ -313,13 +345,15 @@ class GradSampleModule(nn.Module):
 
     # ------------------------------------------------------------------ first-backward check
     def _arm_usage_check(self) -> None:
-        """Snapshot gradients so the first backward can verify sum_i grad_sample[i] == grad."""
+        """Hook every trainable parameter so the first backward can verify sum_i grad_sample[i] == grad."""
         for handle in self._check_handles:
             handle.remove()
         trainable = [p for p in self._owner_paths if p.requires_grad]
-        self._grads_before = {p: None if p.grad is None else p.grad.detach().clone() for p in trainable}
         self._check_sums = {}
-        self._check_handles = [p.register_post_accumulate_grad_hook(self._verify_parameter) for p in trainable]
+        # A hook on the leaf sees exactly the gradient this backward delivers. Diffing .grad against a
+        # snapshot taken at forward time would break when gradients are zeroed between forward and
+        # backward (optimizer.zero_grad() just before loss.backward()), and would copy every gradient.
+        self._check_handles = [param.register_hook(partial(self._verify_parameter, param)) for param in trainable]
         self._check_state = "armed"
 
     def _record_for_usage_check(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
@@ -331,13 +365,12 @@ class GradSampleModule(nn.Module):
         previous = self._check_sums.get(param)
         self._check_sums[param] = total if previous is None else previous + total
 
-    def _verify_parameter(self, param: nn.Parameter) -> None:
+    def _verify_parameter(self, param: nn.Parameter, received: torch.Tensor) -> None:
         if self._check_state != "armed":
             return
         name = self._param_names.get(param, "?")
         owner = module_label(self._owner_paths.get(param, "?"))
-        before = self._grads_before.get(param)
-        received = param.grad.detach() if before is None else param.grad.detach() - before
+        received = received.detach()
         explained = self._check_sums.get(param)
         if explained is None:
             self._check_state = "done"
@@ -361,7 +394,7 @@ class GradSampleModule(nn.Module):
         for handle in self._check_handles:
             handle.remove()
         self._check_handles = []
-        self._grads_before, self._check_sums = {}, {}
+        self._check_sums = {}
         if self._check_state == "armed":
             self._check_state = "done"
 

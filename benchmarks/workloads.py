@@ -1,0 +1,328 @@
+"""Shared pieces of the benchmarks: the three reference workloads, their data, a timer and a
+peak-memory probe.
+
+Workloads (the issue's definitions; every benchmark script builds its models from here so that
+numbers from different scripts describe the same models):
+
+===========  =======================================================================  =====
+name         model                                                                    batch
+===========  =======================================================================  =====
+mlp          Linear 784-512-512-10 with ReLU                                          256
+cnn          Conv2d(1,16,8,s2,p3)-tanh-MaxPool(2,1)-Conv2d(16,32,4,s2)-tanh-           256
+             MaxPool(2,1)-Linear(512,32)-tanh-Linear(32,10) on 1x28x28
+transformer  Embedding(8000,128) + 2-layer TransformerEncoder (d 128, 4 heads, ff 256,   64
+             batch_first, default dropout 0.1) + mean-pool + Linear(128,2), sequence 64
+===========  =======================================================================  =====
+
+Timing (``time_interleaved``): the variants being compared are run round-robin, one step each per
+round, so that a burst of load from other processes on a shared machine hits every variant alike;
+each variant's result is the median wall time over the rounds after warm-up rounds.
+
+Peak memory (``peak_memory_increase``):
+
+- on CPU, the peak *resident set size* growth of the process during steady-state steps: after
+  warm-up steps (one-time allocations: optimizer state, thread pools, library workspaces) the
+  kernel's high-water mark is reset (``/proc/self/clear_refs``), the resident size is read, the
+  steps run, and the result is ``VmHWM - VmRSS_before``. Everything the step touches counts
+  (tensors, autograd buffers, library scratch space), so it is what an out-of-memory killer sees.
+  Run it in a fresh process per variant (``run_python_json``) with ``MALLOC_MMAP_THRESHOLD_`` set
+  (``MEMORY_CHILD_ENV``) so that glibc returns every large block to the kernel when it is freed;
+  otherwise freed memory stays resident and the "before" reading would hide the next step's peak.
+- on CUDA, ``torch.cuda.max_memory_allocated`` growth over the memory allocated before the steps
+  (tensor bytes held by the caching allocator's clients).
+
+The step functions handed to these helpers must leave nothing behind between steps (call
+``zero_grad(set_to_none=True)``, which also drops per-sample gradients, at the end of a step), so
+that the "before" reading holds only parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+# Blocks of 64 KiB and more are mmap-ed (and unmapped when freed): RSS then follows live memory.
+MEMORY_CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+# ---------------------------------------------------------------------------------- workloads
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model, its data and its loss: one row of a benchmark table."""
+
+    name: str
+    description: str
+    batch_size: int
+    build_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.Generator], Batch]
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {self.batch_size}")
+
+    @staticmethod
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (every workload is a classifier; ``loss_reduction="mean"``)."""
+        return F.cross_entropy(outputs, targets)
+
+
+def build_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def build_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.Tanh(),
+        nn.Linear(32, 10),
+    )
+
+
+class MeanPoolTransformer(nn.Module):
+    """Token ids -> embedding -> TransformerEncoder -> mean over positions -> class logits."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 8000,
+        d_model: int = 128,
+        num_heads: int = 4,
+        feedforward: int = 256,
+        num_layers: int = 2,
+        num_classes: int = 2,
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, num_heads, feedforward, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.classifier = nn.Linear(d_model, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.encoder(self.embedding(tokens)).mean(dim=1))
+
+
+def build_transformer() -> nn.Module:
+    return MeanPoolTransformer()
+
+
+def _image_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    images = torch.randn(batch_size, 1, 28, 28, generator=generator)
+    return images, torch.randint(0, 10, (batch_size,), generator=generator)
+
+
+def _flat_image_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    images, labels = _image_batch(batch_size, generator)
+    return images.flatten(1), labels
+
+
+TRANSFORMER_SEQUENCE_LENGTH = 64
+
+
+def _token_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    tokens = torch.randint(0, 8000, (batch_size, TRANSFORMER_SEQUENCE_LENGTH), generator=generator)
+    return tokens, torch.randint(0, 2, (batch_size,), generator=generator)
+
+
+WORKLOADS: Dict[str, Workload] = {
+    "mlp": Workload(
+        name="mlp",
+        description="MLP 784-512-512-10, batch 256",
+        batch_size=256,
+        build_model=build_mlp,
+        make_batch=_flat_image_batch,
+    ),
+    "cnn": Workload(
+        name="cnn",
+        description="CNN 2xConv2d + 2xLinear on 1x28x28, batch 256",
+        batch_size=256,
+        build_model=build_cnn,
+        make_batch=_image_batch,
+    ),
+    "transformer": Workload(
+        name="transformer",
+        description="Embedding + 2-layer TransformerEncoder, seq 64, batch 64",
+        batch_size=64,
+        build_model=build_transformer,
+        make_batch=_token_batch,
+    ),
+}
+
+
+def get_workload(name: str) -> Workload:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}") from None
+
+
+# ---------------------------------------------------------------------------------- machine
+def use_all_cores() -> int:
+    """Set torch's intra-op threads to the cores this process may run on; return that number."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    return cores
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------- timing
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    """Wall times of one variant's steps, in seconds."""
+
+    samples: Tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def median_ms(self) -> float:
+        return 1000.0 * self.median_s
+
+    @property
+    def spread(self) -> float:
+        """(upper quartile - lower quartile) / median: a rough noise gauge."""
+        if len(self.samples) < 4:
+            return float("nan")
+        quartiles = statistics.quantiles(self.samples, n=4)
+        return (quartiles[2] - quartiles[0]) / self.median_s
+
+
+def time_interleaved(
+    steps: Mapping[str, Callable[[], None]],
+    *,
+    repeats: int,
+    warmup: int,
+    device: torch.device = torch.device("cpu"),
+) -> Dict[str, Timing]:
+    """Median wall time per step of each variant, the variants run round-robin.
+
+    ``warmup`` rounds are run first and discarded, then ``repeats`` timed rounds. Each step is
+    timed alone (device synchronised before and after on CUDA).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0; got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: Timing(samples=tuple(times)) for name, times in samples.items()}
+
+
+def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> Timing:
+    """``time_interleaved`` for a single step function."""
+    return time_interleaved({"step": step}, repeats=repeats, warmup=warmup, device=device)["step"]
+
+
+# ---------------------------------------------------------------------------------- memory
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_increase(
+    step: Callable[[], None], *, steps: int = 3, warmup: int = 2, device: torch.device = torch.device("cpu")
+) -> int:
+    """Peak memory (bytes) a steady-state step needs above what is held between steps.
+
+    See the module docstring for what is measured on CPU (RSS) and on CUDA (allocated bytes).
+    On CPU, raises if the kernel's high-water mark cannot be reset (the number would be wrong).
+    """
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    if not _reset_high_water_mark():
+        raise RuntimeError("cannot reset the RSS high-water mark (/proc/self/clear_refs not writable)")
+    before_kib = _status_kib("VmRSS")
+    for _ in range(steps):
+        step()
+    return 1024 * (_status_kib("VmHWM") - before_kib)
+
+
+def run_python_json(args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, timeout_s: float = 600) -> dict:
+    """Run ``python args...`` from the repository root in a fresh process; parse its last stdout line
+    as JSON. Used to measure each variant's memory in a process of its own."""
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + child_env.get("PYTHONPATH", "")
+    child_env.update(env or {})
+    done = subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout_s
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"child {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+__all__ = [
+    "MEMORY_CHILD_ENV",
+    "MeanPoolTransformer",
+    "Timing",
+    "WORKLOADS",
+    "Workload",
+    "build_cnn",
+    "build_mlp",
+    "build_transformer",
+    "get_workload",
+    "median_time",
+    "peak_memory_increase",
+    "run_python_json",
+    "synchronize",
+    "time_interleaved",
+    "use_all_cores",
+]

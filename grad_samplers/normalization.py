@@ -1,0 +1,143 @@
+"""Normalisation layers with per-example statistics: LayerNorm, GroupNorm, InstanceNorm1d/2d/3d, RMSNorm.
+
+Each computes ``y = x_hat * weight (+ bias)`` with ``x_hat`` normalised from one example's own values,
+so an example's gradients are ``sum(G * x_hat)`` and ``sum(G)`` over every axis the affine parameters
+are broadcast along. ``x_hat`` is recomputed from the saved input with the layer's own functional
+(same statistics, same eps).
+
+Norms: a per-sample gradient here has the size of one feature/channel vector, no more than one
+position of the output gradient, so no cheaper form exists: the per-sample gradients of the layer are
+formed and reduced (a Gram form would cost ``T^2`` per example instead of ``T * C``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from grad_samplers.registry import (
+    register_grad_sampler,
+    register_norm_sampler,
+    register_weighted_sum_sampler,
+)
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm)
+_NormLayer = nn.LayerNorm | nn.GroupNorm | _InstanceNorm | nn.RMSNorm
+
+
+def _normalized_input(layer: _NormLayer, inputs: torch.Tensor) -> torch.Tensor:
+    """``x_hat``: the layer's output before its affine parameters, for a batched input."""
+    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        if inputs.dim() <= len(layer.normalized_shape):
+            raise ValueError(
+                f"{type(layer).__name__} per-sample gradients need a batch dimension in front of the normalized "
+                f"shape {tuple(layer.normalized_shape)}; got input of shape {tuple(inputs.shape)}"
+            )
+        if isinstance(layer, nn.LayerNorm):
+            return F.layer_norm(inputs, layer.normalized_shape, None, None, layer.eps)
+        return F.rms_norm(inputs, layer.normalized_shape, None, None)
+    if inputs.dim() < 2 or (isinstance(layer, _InstanceNorm) and inputs.dim() == layer._get_no_batch_dim()):
+        raise ValueError(
+            f"{type(layer).__name__} per-sample gradients need a batched input (batch, channels, ...); got "
+            f"input of shape {tuple(inputs.shape)}"
+        )
+    if isinstance(layer, nn.GroupNorm):
+        return F.group_norm(inputs, layer.num_groups, None, None, layer.eps)
+    use_input_stats = layer.training or not layer.track_running_stats
+    # Running statistics are passed only when the layer reads them; with input statistics they would be
+    # updated in place, which this recomputation must not do.
+    return F.instance_norm(
+        inputs,
+        None if use_input_stats else layer.running_mean,
+        None if use_input_stats else layer.running_var,
+        None,
+        None,
+        use_input_stats,
+        0.0,
+        layer.eps,
+    )
+
+
+def _per_example_sum(layer: _NormLayer, values: torch.Tensor) -> torch.Tensor:
+    """Sum ``(B, ...)`` over every axis the layer's affine parameters are broadcast along: ``(B, *param.shape)``."""
+    batch_size = values.shape[0]
+    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        return values.reshape(batch_size, -1, *layer.normalized_shape).sum(dim=1)
+    return values.reshape(batch_size, values.shape[1], -1).sum(dim=2)
+
+
+def _affine_params(layer: _NormLayer):
+    weight = getattr(layer, "weight", None)
+    bias = getattr(layer, "bias", None)
+    return (
+        weight if weight is not None and weight.requires_grad else None,
+        bias if bias is not None and bias.requires_grad else None,
+    )
+
+
+def _inputs_and_grads(activations, backprops: torch.Tensor):
+    inputs = activations[0]
+    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+    return inputs.to(dtype), backprops.to(dtype)
+
+
+@register_grad_sampler(*_NORM_TYPES)
+def normalization_grad_sample(layer: _NormLayer, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Exact per-sample gradients of the affine weight and bias, each ``(B, *param.shape)``.
+
+    Guarantee: ``out[p][i]`` is the gradient of example ``i``'s loss with respect to ``p``; the
+    normalisation statistics are example ``i``'s own (these layers never mix examples).
+
+    ==============================  =================================================
+    case                            result
+    ==============================  =================================================
+    no affine / frozen parameter    left out of the result
+    LayerNorm(bias=False), RMSNorm  weight only
+    InstanceNorm in eval with       uses running statistics, as the forward does
+    track_running_stats
+    unbatched input                 ValueError (no example axis)
+    ==============================  =================================================
+    """
+    weight, bias = _affine_params(layer)
+    per_sample: dict[nn.Parameter, torch.Tensor] = {}
+    inputs, backprops = _inputs_and_grads(activations, backprops)
+    if weight is not None:
+        per_sample[weight] = _per_example_sum(layer, backprops * _normalized_input(layer, inputs))
+    if bias is not None:
+        per_sample[bias] = _per_example_sum(layer, backprops)
+    return per_sample
+
+
+@register_norm_sampler(*_NORM_TYPES)
+def normalization_norm_sample(layer: _NormLayer, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example squared L2 norms ``(B,)`` of the affine weight and bias gradients.
+
+    Guarantee: ``out[p][i] == ||normalization_grad_sample(...)[p][i]||^2``. The per-sample gradients are
+    ``(B, C)``-sized, no larger than the output gradient, so they are formed and reduced.
+    Same cases as ``normalization_grad_sample``.
+    """
+    per_sample = normalization_grad_sample(layer, activations, backprops)
+    return {param: grads.flatten(1).pow(2).sum(dim=1) for param, grads in per_sample.items()}
+
+
+@register_weighted_sum_sampler(*_NORM_TYPES)
+def normalization_weighted_sum(
+    layer: _NormLayer, activations, backprops: torch.Tensor, weights: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """``sum_i weights[i] * g_i`` for the affine weight and bias: the ordinary gradient with each example's
+    output gradient scaled by its weight.
+
+    Guarantee: equals ``sum_i weights[i] * normalization_grad_sample(...)[p][i]`` up to float rounding.
+    Same cases as ``normalization_grad_sample``.
+    """
+    weight, bias = _affine_params(layer)
+    inputs, backprops = _inputs_and_grads(activations, backprops)
+    scaled = backprops * weights.to(backprops.dtype).reshape(-1, *([1] * (backprops.dim() - 1)))
+    sums: dict[nn.Parameter, torch.Tensor] = {}
+    if weight is not None:
+        sums[weight] = _per_example_sum(layer, scaled * _normalized_input(layer, inputs)).sum(dim=0)
+    if bias is not None:
+        sums[bias] = _per_example_sum(layer, scaled).sum(dim=0)
+    return sums

@@ -1,0 +1,609 @@
+"""Per-example gradient clipping: turn per-sample gradients into one bounded-sensitivity sum.
+
+The clipper owns the sum of clipped per-example gradients (the *accumulator*) between backward
+passes and the optimizer step. Two producers fill it:
+
+- ``clip_and_accumulate()`` reads ``param.grad_sample`` (materialised per-sample gradients, from
+  ``GradSampleModule``), clips and sums them, and frees them;
+- ``accumulate_clipped_sums_()`` takes per-sample norms and already clipped per-parameter sums from
+  a path that never materialises per-sample gradients (fast / ghost clipping). That path gets its
+  factors from ``clip_factors_for_norms()`` so both paths apply the same rule (``clip_factors``).
+
+``pre_step()`` writes the accumulated sum into each parameter's ``.grad`` and returns statistics.
+Neither the noise nor the division by the batch size happens here (see ``DPOptimizer``).
+
+Clipping modes. ``"flat"``: one L2 norm over all parameters together, bound ``C``. ``"per_layer"``:
+the parameters are split into groups (layers, or single parameters) with one bound ``C_g`` each;
+each group's slice of an example's gradient is clipped to ``C_g`` separately, so the whole clipped
+gradient has norm at most ``sqrt(sum_g C_g^2)``, the *total bound*, which is what the noise must
+be scaled to.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from privacy_engine.clip_factors import clip_factors, validate_max_grad_norm
+
+CLIPPING_MODES = ("flat", "per_layer")
+
+MaxGradNorm = float | Sequence[float]
+
+__all__ = [
+    "CLIPPING_MODES",
+    "ClippingConfig",
+    "ClippingStats",
+    "PerSampleGradientClipper",
+    "parameter_groups",
+]
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippingConfig:
+    """How per-example gradients are clipped.
+
+    Fields:
+        max_grad_norm: ``"flat"``: one bound ``C >= 0`` (``inf`` disables clipping).
+            ``"per_layer"``: one bound per parameter group, or a single number ``C`` that is split
+            evenly as ``C / sqrt(G)`` over the ``G`` groups (so the total bound is ``C``).
+        clipping: ``"flat"`` or ``"per_layer"``.
+        nan_safe: non-finite entries (NaN, +-Inf) of a per-sample gradient count as 0 (True), or
+            the whole example (its group, for per_layer) is dropped (False). Either way the bound
+            holds; True keeps the example's finite part.
+        rescale_to_unit_norm: divide the clipped gradients by the total bound so each has norm at
+            most 1; the noise is then scaled to sensitivity 1 (``sensitivity``). Needs a finite
+            total bound > 0.
+    """
+
+    max_grad_norm: MaxGradNorm
+    clipping: str = "flat"
+    nan_safe: bool = True
+    rescale_to_unit_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}; got {self.clipping!r}")
+        if not isinstance(self.nan_safe, bool):
+            raise TypeError(f"nan_safe must be a bool; got {self.nan_safe!r}")
+        if not isinstance(self.rescale_to_unit_norm, bool):
+            raise TypeError(f"rescale_to_unit_norm must be a bool; got {self.rescale_to_unit_norm!r}")
+        if _is_real(self.max_grad_norm):
+            object.__setattr__(self, "max_grad_norm", validate_max_grad_norm(self.max_grad_norm))
+            return
+        if self.clipping == "flat":
+            raise TypeError(
+                f"max_grad_norm must be a number for clipping='flat'; got {self.max_grad_norm!r}. "
+                f"Use clipping='per_layer' for one bound per layer."
+            )
+        if isinstance(self.max_grad_norm, (str, bytes)) or not isinstance(self.max_grad_norm, Iterable):
+            raise TypeError(f"max_grad_norm must be a number or a sequence of numbers; got {self.max_grad_norm!r}")
+        bounds = tuple(self.max_grad_norm)
+        if not bounds:
+            raise ValueError("max_grad_norm is an empty sequence; give one bound per parameter group")
+        for index, bound in enumerate(bounds):
+            if not _is_real(bound):
+                raise TypeError(f"max_grad_norm[{index}] must be a number; got {bound!r}")
+        object.__setattr__(
+            self,
+            "max_grad_norm",
+            tuple(validate_max_grad_norm(b, name=f"max_grad_norm[{i}]") for i, b in enumerate(bounds)),
+        )
+
+    def group_bounds(self, num_groups: int) -> tuple[float, ...]:
+        """The bound of each of ``num_groups`` groups (raises if a sequence has another length)."""
+        if isinstance(self.max_grad_norm, tuple):
+            if len(self.max_grad_norm) != num_groups:
+                raise ValueError(
+                    f"max_grad_norm has {len(self.max_grad_norm)} bounds but there are {num_groups} "
+                    f"parameter groups; give exactly one bound per group"
+                )
+            return self.max_grad_norm
+        if self.clipping == "flat":
+            return (self.max_grad_norm,)
+        return (self.max_grad_norm / math.sqrt(num_groups),) * num_groups
+
+
+@dataclass(frozen=True)
+class ClippingStats:
+    """Diagnostics of one logical step: how large the per-example gradients were before clipping.
+
+    Not private: these numbers are computed from the raw data. Log them for tuning on public or
+    proxy data; do not release them as part of a DP result.
+
+    An *example* is a user with per-user clipping. Padding examples are not counted. The norm is
+    the L2 norm over all clipped parameters (for ``per_layer`` too); an example counts as clipped
+    if any of its groups exceeded its bound (or had a non-finite norm and was dropped). With no
+    example, every number is 0.
+
+    The totals stay on the device until a field is read, so that logging nothing costs no sync.
+    """
+
+    totals: torch.Tensor  # float64 (count, sum of norms, max norm, number clipped)
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.totals[0].item())
+
+    @property
+    def mean_per_sample_norm(self) -> float:
+        count = float(self.totals[0].item())
+        return float(self.totals[1].item()) / count if count else 0.0
+
+    @property
+    def max_per_sample_norm(self) -> float:
+        return float(self.totals[2].item()) if self.totals[0].item() else 0.0
+
+    @property
+    def clipped_fraction(self) -> float:
+        count = float(self.totals[0].item())
+        return float(self.totals[3].item()) / count if count else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "num_examples": self.num_examples,
+            "mean_per_sample_norm": self.mean_per_sample_norm,
+            "max_per_sample_norm": self.max_per_sample_norm,
+            "clipped_fraction": self.clipped_fraction,
+        }
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v:.4g}" for k, v in self.as_dict().items())
+        return f"ClippingStats({fields})"
+
+
+def parameter_groups(
+    module: nn.Module, params: Sequence[nn.Parameter], *, per: str = "layer"
+) -> list[list[nn.Parameter]]:
+    """Split ``params`` into per-layer clipping groups along ``module``'s structure.
+
+    ``per="layer"``: one group per submodule that directly owns at least one of ``params`` (its
+    own parameters, not its children's), in ``module.named_modules()`` order; a parameter shared
+    by several modules (tied weights) belongs to the first. ``per="parameter"``: one group per
+    parameter, in the order of ``params``. Parameters of ``params`` that ``module`` does not own
+    raise ``ValueError``.
+    """
+    if per not in ("layer", "parameter"):
+        raise ValueError(f"per must be 'layer' or 'parameter'; got {per!r}")
+    wanted = {id(p) for p in params}
+    owned = {id(p) for p in module.parameters()}
+    missing = [i for i, p in enumerate(params) if id(p) not in owned]
+    if missing:
+        raise ValueError(f"params at positions {missing} are not parameters of the module")
+    if per == "parameter":
+        return [[p] for p in params]
+    groups: list[list[nn.Parameter]] = []
+    seen: set = set()
+    for _, submodule in module.named_modules():
+        group = []
+        for param in submodule.parameters(recurse=False):
+            if id(param) in wanted and id(param) not in seen:
+                seen.add(id(param))
+                group.append(param)
+        if group:
+            groups.append(group)
+    return groups
+
+
+class PerSampleGradientClipper:
+    """Clips per-example gradients and keeps their sum until ``pre_step()``.
+
+    Guarantee: whatever the per-sample gradients are (any norm, NaN, +-Inf), each example's
+    (each user's, with ``group_ids``) contribution to the sum written by ``pre_step`` has L2 norm
+    at most ``total_bound`` (at most 1 with ``rescale_to_unit_norm``), its per-layer slices at most
+    their group bounds, and padding examples contribute exactly zero. Each call's contribution is
+    computed from the per-sample gradients of that call only, so calling ``clip_and_accumulate``
+    once per micro-batch gives the same sum as one call on the concatenated batch.
+
+    ======================================  =================================================
+    case                                    result
+    ======================================  =================================================
+    max_grad_norm = 0                       every contribution is zero
+    max_grad_norm = inf                     no clipping (sum of raw gradients); no DP noise
+                                            can be scaled to it (the optimizer refuses)
+    per-sample gradient of norm 0           contributes zero, counted, not clipped
+    NaN / +-Inf entries, nan_safe=True      those entries count as 0, the rest is clipped
+    NaN / +-Inf entries, nan_safe=False     the example (its group, per_layer) is dropped
+    finite entries, norm overflows to inf   the example is dropped (factor 0)
+    rescale_to_unit_norm                    clipped gradients divided by the total bound
+    padding_mask[i] True                    example i contributes exactly zero, not counted
+    group_ids given                         examples with equal id summed, then clipped
+    param without grad_sample               treated as a zero per-sample gradient
+    grad_sample batch sizes differ          ValueError, nothing changed
+    no grad_sample at all                   nothing accumulated (an empty batch)
+    ======================================  =================================================
+
+    Args:
+        params: the parameters to clip, in a fixed order (the order of the noise layout).
+        max_grad_norm: see ``ClippingConfig``.
+        clipping: ``"flat"`` or ``"per_layer"``.
+        groups: for ``per_layer``, a partition of ``params`` into groups (e.g. from
+            ``parameter_groups``); default one group per parameter. Ignored for ``flat``.
+        nan_safe, rescale_to_unit_norm: see ``ClippingConfig``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        max_grad_norm: MaxGradNorm,
+        *,
+        clipping: str = "flat",
+        groups: Sequence[Sequence[nn.Parameter]] | None = None,
+        nan_safe: bool = True,
+        rescale_to_unit_norm: bool = False,
+    ) -> None:
+        self.config = ClippingConfig(
+            max_grad_norm=max_grad_norm,
+            clipping=clipping,
+            nan_safe=nan_safe,
+            rescale_to_unit_norm=rescale_to_unit_norm,
+        )
+        self.params: list[nn.Parameter] = list(params)
+        if not self.params:
+            raise ValueError("params is empty: the clipper needs at least one trainable parameter")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("params lists a parameter twice; give each parameter once")
+        if clipping == "flat":
+            groups = [self.params]
+        elif groups is None:
+            groups = [[p] for p in self.params]
+        self.groups: list[list[nn.Parameter]] = [list(g) for g in groups]
+        self._check_partition()
+        self._index_of: dict[int, int] = {id(p): i for i, p in enumerate(self.params)}
+        self._group_of: dict[int, int] = {id(p): g for g, group in enumerate(self.groups) for p in group}
+        self.bounds: tuple[float, ...] = self.config.group_bounds(len(self.groups))
+        self.total_bound: float = math.sqrt(sum(b * b for b in self.bounds))
+        if rescale_to_unit_norm and not (0 < self.total_bound < math.inf):
+            raise ValueError(
+                f"rescale_to_unit_norm needs a finite total bound > 0; max_grad_norm={max_grad_norm!r} "
+                f"gives {self.total_bound}"
+            )
+        self._accumulated: dict[int, torch.Tensor] = {}  # param index -> clipped sum
+        self._totals: torch.Tensor | None = None  # see ClippingStats.totals
+
+    def _check_partition(self) -> None:
+        position = {id(p): i for i, p in enumerate(self.params)}
+        seen: set = set()
+        for g, group in enumerate(self.groups):
+            if not group:
+                raise ValueError(f"groups[{g}] is empty; every group needs at least one parameter")
+            for param in group:
+                if id(param) not in position:
+                    raise ValueError(f"groups[{g}] holds a parameter that is not in params")
+                if id(param) in seen:
+                    raise ValueError(f"groups[{g}] repeats a parameter already in an earlier group")
+                seen.add(id(param))
+        if len(seen) != len(self.params):
+            raise ValueError("groups do not cover every parameter in params; each must be in exactly one group")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def sensitivity(self) -> float:
+        """L2 norm bound of one example's contribution: the scale the noise must be drawn at."""
+        return 1.0 if self.config.rescale_to_unit_norm else self.total_bound
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_index(self, param: nn.Parameter) -> int:
+        """Which clipping group ``param`` belongs to (column of the norms and factors)."""
+        try:
+            return self._group_of[id(param)]
+        except KeyError:
+            raise ValueError("param is not one of the clipper's parameters") from None
+
+    @property
+    def has_accumulated(self) -> bool:
+        """Whether anything was accumulated since the last ``pre_step`` / ``reset``."""
+        return self._totals is not None
+
+    # ------------------------------------------------------------------ the shared rule
+    def group_norms_from_squared(
+        self, per_param_squared_norms: Mapping[nn.Parameter, torch.Tensor]
+    ) -> torch.Tensor:
+        """Per-example norms of each group, shape ``(batch, num_groups)``, from per-parameter
+        squared norms of shape ``(batch,)``. Parameters left out count as zero gradients."""
+        batch_size, device, dtype = None, None, torch.float32
+        for param, squared in per_param_squared_norms.items():
+            dtype = torch.promote_types(dtype, _norm_dtype(squared.dtype))
+            self.group_index(param)
+            if squared.dim() != 1 or (batch_size is not None and squared.shape[0] != batch_size):
+                raise ValueError(
+                    f"per-parameter squared norms must all have shape (batch,); got {tuple(squared.shape)}"
+                    + ("" if batch_size is None else f" after ({batch_size},)")
+                )
+            if batch_size is None:
+                batch_size, device = squared.shape[0], squared.device
+        if batch_size is None:
+            raise ValueError("per_param_squared_norms is empty")
+        squared_sums = torch.zeros(batch_size, self.num_groups, device=device, dtype=dtype)
+        for param, squared in per_param_squared_norms.items():
+            column = self._group_of[id(param)]
+            squared_sums[:, column] += squared.detach().to(device=device, dtype=dtype)
+        return squared_sums.sqrt()
+
+    def clip_factors_for_norms(
+        self, per_sample_norms: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Factors, shape ``(batch, num_groups)``, such that ``factor[i, g] * (example i's slice of
+        group g)`` has norm at most the group's bound (divided by the total bound when rescaling).
+
+        ``per_sample_norms``: the unclipped group norms, shape ``(batch, num_groups)`` (or
+        ``(batch,)`` for flat clipping). Each column goes through ``clip_factors``, the rule shared
+        by every clipping path; see its table for the edge cases.
+        """
+        norms = self._as_group_norms(per_sample_norms)
+        rescale = self.config.rescale_to_unit_norm
+        if self.config.clipping == "flat":
+            return clip_factors(norms[:, 0], self.bounds[0], rescale_to_unit_norm=rescale, padding_mask=padding_mask)[
+                :, None
+            ]
+        columns = [
+            clip_factors(norms[:, g], bound, padding_mask=padding_mask) for g, bound in enumerate(self.bounds)
+        ]
+        factors = torch.stack(columns, dim=1)
+        # Rescale by the total bound (not each group's own), so the whole gradient has norm <= 1.
+        return factors / self.total_bound if rescale else factors
+
+    def _as_group_norms(self, per_sample_norms: torch.Tensor) -> torch.Tensor:
+        norms = per_sample_norms.detach()
+        if norms.dim() == 1 and self.num_groups == 1:
+            norms = norms[:, None]
+        if norms.dim() != 2 or norms.shape[1] != self.num_groups:
+            raise ValueError(
+                f"per_sample_norms has shape {tuple(per_sample_norms.shape)}; expected "
+                f"(batch, {self.num_groups}) (one column per clipping group)"
+            )
+        return norms
+
+    # ------------------------------------------------------------------ producers
+    def clip_and_accumulate(
+        self,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        group_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Clip the per-sample gradients in ``param.grad_sample``, add their sum to the
+        accumulator and free them (``param.grad_sample = None``).
+
+        ``padding_mask``: bool ``(batch,)``, True for padding examples (contribute exactly zero).
+        ``group_ids``: integer ``(batch,)``; examples with the same id (one user's examples) are
+        summed before clipping, so the bound holds per user. Ids need not be contiguous. Each call
+        groups its own batch only: a user whose examples are split over two calls is clipped twice.
+
+        Guarantee and edge cases: see the class docstring. Everything is checked before any state
+        changes.
+        """
+        present = [(i, p, p.grad_sample) for i, p in enumerate(self.params) if getattr(p, "grad_sample", None) is not None]
+        if not present:
+            return
+        batch_size = present[0][2].shape[0]
+        for _, param, grads in present:
+            if grads.dim() == 0 or grads.shape[0] != batch_size or tuple(grads.shape[1:]) != tuple(param.shape):
+                raise ValueError(
+                    f"grad_sample of shape {tuple(grads.shape)} for a parameter of shape {tuple(param.shape)}; "
+                    f"expected ({batch_size}, *param.shape) like the first parameter's. Run one forward/backward "
+                    f"per clip_and_accumulate() call."
+                )
+        device = present[0][2].device
+        padding_mask = self._checked_per_example("padding_mask", padding_mask, batch_size, device)
+        if padding_mask is not None and padding_mask.dtype != torch.bool:
+            raise TypeError(f"padding_mask must be a bool tensor; got dtype {padding_mask.dtype}")
+        group_ids = self._checked_per_example("group_ids", group_ids, batch_size, device)
+        if group_ids is not None and (group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool):
+            raise TypeError(f"group_ids must be an integer tensor; got dtype {group_ids.dtype}")
+
+        with torch.no_grad():
+            grads_by_index = {}
+            for index, param, grads in present:
+                grads = grads.detach()
+                if self.config.nan_safe:
+                    grads = torch.nan_to_num(grads, nan=0.0, posinf=0.0, neginf=0.0)
+                grads_by_index[index] = grads
+            if group_ids is not None:
+                grads_by_index, padding_mask = self._sum_per_group(grads_by_index, group_ids, padding_mask)
+            squared = {
+                self.params[i]: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=_norm_dtype(g.dtype)).square()
+                for i, g in grads_by_index.items()
+            }
+            norms = self.group_norms_from_squared(squared)
+            factors = self.clip_factors_for_norms(norms, padding_mask=padding_mask)
+            clipped_sums = {}
+            for index, grads in grads_by_index.items():
+                column = factors[:, self._group_of[id(self.params[index])]].to(device=grads.device)
+                if not self.config.nan_safe:
+                    # factor 0 times a NaN/Inf entry is NaN: drop those rows outright. (nan_safe
+                    # already zeroed every non-finite entry, and 0 * finite = 0.)
+                    grads = torch.where(_expand_rows(column > 0, grads), grads, torch.zeros((), dtype=grads.dtype, device=grads.device))
+                clipped_sums[self.params[index]] = torch.tensordot(column.to(grads.dtype), grads, dims=1)
+            self._accumulate(clipped_sums, norms, padding_mask)
+        for param in self.params:
+            if getattr(param, "grad_sample", None) is not None:
+                param.grad_sample = None
+
+    def accumulate_clipped_sums_(
+        self,
+        clipped_sums: Mapping[nn.Parameter, torch.Tensor],
+        per_sample_norms: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Add clipped per-parameter sums computed elsewhere (fast clipping) and record statistics,
+        exactly as ``clip_and_accumulate`` does for materialised per-sample gradients.
+
+        Contract (what keeps the guarantee): ``clipped_sums[p] = sum_i factor[i, g(p)] * g_i(p)``
+        with ``factor = clip_factors_for_norms(per_sample_norms, padding_mask=padding_mask)`` and
+        ``g(p) = group_index(p)``, over per-sample gradients whose non-finite entries were handled
+        per ``nan_safe`` before the norms were taken. ``per_sample_norms``: unclipped group norms,
+        ``(batch, num_groups)`` (``(batch,)`` for flat). Parameters left out contribute zero.
+
+        ==============================  ===========================================
+        case                            result
+        ==============================  ===========================================
+        a key not in the clipper        ValueError, nothing changed
+        a sum of the wrong shape        ValueError, nothing changed
+        norms of the wrong shape        ValueError, nothing changed
+        empty ``clipped_sums``          only the statistics are updated
+        ==============================  ===========================================
+        """
+        norms = self._as_group_norms(per_sample_norms)
+        padding_mask = self._checked_per_example("padding_mask", padding_mask, norms.shape[0], norms.device)
+        for param, total in clipped_sums.items():
+            self.group_index(param)
+            if tuple(total.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"clipped sum of shape {tuple(total.shape)} for a parameter of shape {tuple(param.shape)}"
+                )
+        self._accumulate(clipped_sums, norms, padding_mask)
+
+    # ------------------------------------------------------------------ consumer
+    def pre_step(self) -> ClippingStats:
+        """Write the accumulated clipped sum into each parameter's ``.grad`` (zeros for a
+        parameter nothing was accumulated for, e.g. after an empty batch), reset the accumulator
+        and return the statistics of what was accumulated since the last ``pre_step``.
+
+        The ``.grad`` tensors are fresh (not aliasing any user tensor): the optimizer adds noise
+        to them in place.
+        """
+        for index, param in enumerate(self.params):
+            total = self._accumulated.get(index)
+            param.grad = torch.zeros_like(param) if total is None else total
+        totals = self._totals
+        if totals is None:
+            totals = torch.zeros(4, dtype=torch.float64)
+        self.reset()
+        return ClippingStats(totals)
+
+    def reset(self) -> None:
+        """Drop the accumulated sum and statistics (per-sample gradients are left alone)."""
+        self._accumulated = {}
+        self._totals = None
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, object]:
+        """The accumulated sums (clipped, un-noised gradients: keep them as secret as the data)
+        and statistics, so a run saved between micro-batches of one logical step resumes exactly."""
+        return {
+            "accumulated": {index: total.detach().clone() for index, total in self._accumulated.items()},
+            "totals": None if self._totals is None else self._totals.detach().clone(),
+            "bounds": list(self.bounds),
+            "clipping": self.config.clipping,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore ``state_dict()``; raises (changing nothing) if it was saved by a clipper with
+        other bounds, another mode or other parameter shapes."""
+        if state.get("clipping") != self.config.clipping or tuple(state.get("bounds", ())) != self.bounds:
+            raise ValueError(
+                f"clipper state was saved with clipping={state.get('clipping')!r}, bounds={state.get('bounds')}; "
+                f"this clipper has clipping={self.config.clipping!r}, bounds={list(self.bounds)}"
+            )
+        accumulated = dict(state["accumulated"])
+        for index, total in accumulated.items():
+            if not (0 <= int(index) < len(self.params)) or tuple(total.shape) != tuple(self.params[int(index)].shape):
+                raise ValueError(f"saved accumulator {index} does not match the clipper's parameters")
+        self._accumulated = {
+            int(i): t.to(device=self.params[int(i)].device, dtype=self.params[int(i)].dtype).clone()
+            for i, t in accumulated.items()
+        }
+        totals = state["totals"]
+        self._totals = None if totals is None else totals.clone()
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _checked_per_example(
+        name: str, values: torch.Tensor | None, batch_size: int, device: torch.device
+    ) -> torch.Tensor | None:
+        if values is None:
+            return None
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor of shape ({batch_size},); got {type(values).__name__}")
+        if tuple(values.shape) != (batch_size,):
+            raise ValueError(f"{name} has shape {tuple(values.shape)}; expected ({batch_size},), one entry per example")
+        return values.to(device)
+
+    def _sum_per_group(
+        self,
+        grads_by_index: dict[int, torch.Tensor],
+        group_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """Per-user gradients ``(users, *shape)`` and which users hold only padding examples."""
+        _, user_of_example = torch.unique(group_ids, return_inverse=True)
+        num_users = int(user_of_example.max().item()) + 1 if group_ids.numel() else 0
+        summed = {}
+        for index, grads in grads_by_index.items():
+            if padding_mask is not None:
+                keep = _expand_rows(~padding_mask.to(grads.device), grads)
+                grads = torch.where(keep, grads, torch.zeros((), dtype=grads.dtype, device=grads.device))
+            users = torch.zeros((num_users, *grads.shape[1:]), dtype=grads.dtype, device=grads.device)
+            summed[index] = users.index_add_(0, user_of_example.to(grads.device), grads)
+        user_padding = None
+        if padding_mask is not None:
+            real_examples = torch.zeros(num_users, device=padding_mask.device)
+            real_examples.index_add_(0, user_of_example.to(padding_mask.device), (~padding_mask).float())
+            user_padding = real_examples == 0
+        return summed, user_padding
+
+    def _accumulate(
+        self,
+        clipped_sums: Mapping[nn.Parameter, torch.Tensor],
+        norms: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+    ) -> None:
+        for param, total in clipped_sums.items():
+            index = self._index_of[id(param)]
+            total = total.detach().to(dtype=param.dtype, device=param.device)
+            previous = self._accumulated.get(index)
+            self._accumulated[index] = total.clone() if previous is None else previous + total
+        self._record_stats(norms, padding_mask)
+
+    def _record_stats(self, norms: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+        norms = norms.to(torch.float64)
+        bounds = torch.tensor(self.bounds, dtype=torch.float64, device=norms.device)
+        total_norms = norms.square().sum(1).sqrt()
+        clipped = ((norms > bounds) | ~torch.isfinite(norms)).any(1)
+        real = torch.ones_like(total_norms, dtype=torch.bool)
+        if padding_mask is not None:
+            real = ~padding_mask.to(norms.device)
+        zero = torch.zeros((), dtype=torch.float64, device=norms.device)
+        batch_totals = torch.stack(
+            [
+                real.sum().to(torch.float64),
+                torch.where(real, total_norms, zero).sum(),
+                torch.where(real, total_norms, zero).amax() if total_norms.numel() else zero,
+                (clipped & real).sum().to(torch.float64),
+            ]
+        )
+        if self._totals is None:
+            self._totals = batch_totals
+        else:
+            previous = self._totals.to(norms.device)
+            self._totals = torch.stack(
+                [
+                    previous[0] + batch_totals[0],
+                    previous[1] + batch_totals[1],
+                    torch.maximum(previous[2], batch_totals[2]),
+                    previous[3] + batch_totals[3],
+                ]
+            )
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms in at least float32: half-precision squares overflow at 256."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
+
+
+def _expand_rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A ``(batch,)`` mask viewed as ``(batch, 1, 1, ...)`` to broadcast against ``like``."""
+    return row_mask.view(-1, *([1] * (like.dim() - 1)))

@@ -1,0 +1,692 @@
+"""Noise mechanisms: independent Gaussian noise (DP-SGD) and banded matrix factorisation (BandMF).
+
+Both mechanisms share one interface: the optimizer hands over the clipped, summed gradients of
+all parameters (one tensor per parameter) and the mechanism adds this step's noise in place.
+
+Layout of the randomness. Tensors are grouped by device (in order of first appearance) and,
+within a device, laid end to end in one flat vector of ``total_numel`` entries. Each step draws
+one flat standard-normal vector per device from that device's own ``torch.Generator`` and adds
+the matching slice to each tensor. Both mechanisms draw the same way, so ``BandMFNoise`` with
+coefficients ``(1.0,)`` adds exactly the numbers ``GaussianNoise`` adds for the same seed.
+
+BandMF (Choquette-Choo et al. 2023, arXiv:2306.08153; McKenna 2024, arXiv:2405.15913). The
+strategy ``C`` is lower-triangular banded Toeplitz with ``C[i, j] = c[i - j]`` for
+``0 <= i - j < b``. The mechanism releases the noisy gradients ``G + C^{-1} Z`` where ``Z`` has
+iid ``N(0, s^2)`` entries, ``s = noise_multiplier * max_grad_norm * ||c||_2``. This is
+post-processing of ``C G + Z``: each example that participates at steps at least ``b`` apart
+(cyclic Poisson sampling with ``b`` groups guarantees this) changes each touched block of rows of
+``C G`` by at most ``max_grad_norm * ||c||_2`` (the max column norm of ``C``), which ``Z``
+hides with noise multiplier ``noise_multiplier``. Row ``t`` of ``C^{-1} Z`` is computed by
+streaming: ``x_t = (z_t - sum_{j=1}^{b-1} c_j x_{t-j}) / c_0``, keeping the last ``b - 1`` noise
+vectors in a ring buffer.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["BandMFNoise", "GaussianNoise", "NoiseMechanism"]
+
+# In secure mode the noise is the sum of this many independent draws (each with std s / 2), one
+# per independently OS-seeded generator. torch's CPU generator keeps only 32 bits of a seed, so
+# one generator would leave the noise brute-forceable from 2**32 candidates; four give 128 bits.
+_SECURE_MODE_GENERATORS = 4
+
+
+def _os_entropy_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def _derived_seed(seed: int, device_index: int, generator_index: int) -> int:
+    # SeedSequence spawns statistically independent streams for each (device, generator) pair
+    # from one user seed; neighbouring integers as seeds would be correlated for some PRNGs.
+    sequence = np.random.SeedSequence(entropy=seed, spawn_key=(device_index, generator_index))
+    return int(sequence.generate_state(1, dtype=np.uint64)[0])
+
+
+def _noise_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    # Half-precision noise would lose the small differences BandMF relies on to cancel noise
+    # across steps, so noise is at least float32, and float64 if any tensor needs it.
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@dataclass(eq=False)
+class _DeviceGroup:
+    """The tensors on one device and the state that draws their noise."""
+
+    device: torch.device
+    tensor_indices: list[int]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    generators: list[torch.Generator]
+    noise: torch.Tensor | None = None  # this step's flat noise, shape (numel,)
+    secure_scratch: torch.Tensor | None = None
+    history: torch.Tensor | None = None  # BandMF ring buffer, shape (b - 1, numel)
+    ring_weights: torch.Tensor | None = None  # row p: coefficients rotated for ring position p
+    noise_views: list[torch.Tensor] = field(default_factory=list)
+
+
+class NoiseMechanism(abc.ABC):
+    """Adds privacy noise to the clipped gradient sums, one step at a time.
+
+    Subclasses define the noise (``noise_std`` and how this step's noise is formed from fresh
+    Gaussian draws); this base class owns validation, per-device generators, the flat layout of
+    the tensors, and checkpointing.
+
+    Args:
+        seed: seeds every generator reproducibly (each device gets its own derived stream).
+            ``None``: seed from OS entropy.
+        secure_mode: seed from OS entropy only (a user ``seed`` raises ``ValueError``) and draw
+            each noise value as the sum of four independent draws from four independently
+            seeded generators, so the noise is not recoverable from a 32-bit seed.
+    """
+
+    def __init__(self, *, seed: int | None = None, secure_mode: bool = False) -> None:
+        if secure_mode and seed is not None:
+            raise ValueError(
+                "seed must be None when secure_mode=True: secure mode draws its seeds from OS "
+                "entropy so that nobody can reproduce the noise. Drop `seed`, or set "
+                "secure_mode=False for a reproducible (not secure) run."
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        self.secure_mode = bool(secure_mode)
+        self._seed = None if secure_mode else (_os_entropy_seed() if seed is None else int(seed))
+        self._step = 0
+        self._signature: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...] | None = None
+        self._groups: list[_DeviceGroup] = []
+        self._pending_devices: list[dict[str, Any]] | None = None
+        self._pending_signature: list | None = None
+
+    # ------------------------------------------------------------------ public interface
+    @property
+    def step(self) -> int:
+        """Number of steps taken (calls to ``add_noise_``)."""
+        return self._step
+
+    @abc.abstractmethod
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """Standard deviation ``s`` of the fresh Gaussian draws ``z_t`` (see subclasses)."""
+
+    def add_noise_(
+        self, tensors: Sequence[torch.Tensor], noise_multiplier: float, max_grad_norm: float
+    ) -> None:
+        """Add this step's noise in place to each tensor and advance the step index by one.
+
+        ``tensors`` are the clipped gradient sums, one per parameter; they may differ in shape,
+        dtype and device, but the list (shapes, dtypes, devices, order) must be the same at
+        every step, because the mechanism's state is laid out over it.
+
+        Guarantee: every call adds fresh noise (``noise_std > 0``) to every entry of every
+        tensor; noise is never skipped, rescaled or reused, and the step index always advances.
+
+        =========================  ==============================================
+        case                       result
+        =========================  ==============================================
+        noise_multiplier = 0       no noise: tensors unchanged, step advances
+        noise_multiplier < 0/NaN   ValueError, nothing changed
+        max_grad_norm = 0          std 0: tensors unchanged, step advances
+        max_grad_norm = inf        ValueError if noise_multiplier > 0
+        max_grad_norm < 0/NaN      ValueError, nothing changed
+        tensors empty / not float  ValueError, nothing changed
+        shapes differ from step 0  ValueError, nothing changed
+        =========================  ==============================================
+        """
+        scale = self._validated_noise_scale(noise_multiplier, max_grad_norm)
+        std = self.noise_std(noise_multiplier, max_grad_norm)
+        tensors = list(tensors)
+        signature = self._check_tensors(tensors)
+        self._before_step(scale)
+        if not self._groups:
+            self._initialise(tensors, signature)
+        with torch.no_grad():
+            for group in self._groups:
+                if std > 0.0:
+                    self._ensure_buffers(group)
+                    self._fill_standard_noise(group, std)
+                    row_scale = self._form_noise(group)
+                    self._add_to_tensors(
+                        group, [tensors[i] for i in group.tensor_indices], row_scale
+                    )
+        self._after_step()
+        self._step += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the exact noise sequence: step index, generator states,
+        and for BandMF the noise history and ring position.
+
+        The returned tensors are CPU copies. The state contains past noise (BandMF history) and
+        the generator states that determine future noise: keep it as secret as the gradients.
+        """
+        devices = []
+        for group in self._groups:
+            history = None if group.history is None else group.history.detach().cpu().clone()
+            devices.append(
+                {
+                    "device": str(group.device),
+                    "numel": group.numel,
+                    "dtype": str(group.dtype),
+                    "generator_states": [g.get_state() for g in group.generators],
+                    "history": history,
+                }
+            )
+        if self._pending_devices is not None:
+            devices = self._pending_devices
+        signature = self._pending_signature
+        if self._signature is not None:
+            signature = [
+                (list(shape), str(dtype), str(device)) for shape, dtype, device in self._signature
+            ]
+        return {
+            "mechanism": type(self).__name__,
+            "step": self._step,
+            "secure_mode": self.secure_mode,
+            "seed": self._seed,
+            "signature": signature,
+            "devices": devices,
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from ``state_dict`` so the run continues with exactly the noise the
+        uninterrupted run would have added. The tensors passed to the next ``add_noise_`` must
+        match the saved ones (same shapes, dtypes, number of devices, order).
+
+        Raises ``ValueError`` (and changes nothing) if the state belongs to another mechanism
+        type, other coefficients, or another ``secure_mode``.
+        """
+        if state.get("mechanism") != type(self).__name__:
+            raise ValueError(
+                f"state was saved by {state.get('mechanism')!r}, cannot load it into "
+                f"{type(self).__name__}"
+            )
+        if bool(state["secure_mode"]) != self.secure_mode:
+            raise ValueError(
+                f"state was saved with secure_mode={state['secure_mode']}, this mechanism has "
+                f"secure_mode={self.secure_mode}; build the mechanism with the same secure_mode"
+            )
+        self._check_extra_state(state)
+        devices = state["devices"]
+        if self._groups and devices:
+            self._check_saved_devices(devices)
+            self._check_tensors_match_saved(state["signature"])
+        # Everything validated: from here on the state is changed.
+        self._seed = state["seed"]
+        self._step = int(state["step"])
+        self._load_extra_state(state)
+        if self._groups:
+            if devices:
+                self._restore_devices(devices)
+            else:
+                # Saved before its first step: start over from the saved seed.
+                self._groups = []
+                self._signature = None
+        else:
+            self._pending_devices = list(devices) if devices else None
+            self._pending_signature = state["signature"] if devices else None
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _before_step(self, noise_scale: float) -> None:
+        """Validate step-dependent conditions before anything is changed.
+
+        ``noise_scale`` is the validated ``noise_multiplier * max_grad_norm``."""
+
+    def _after_step(self) -> None:
+        """Update per-step state after the noise was added."""
+
+    def _form_noise(self, group: _DeviceGroup) -> float:
+        """Turn ``group.noise`` (iid N(0, s^2)) into this step's noise; return a scale to apply
+        when adding it to the tensors."""
+        return 1.0
+
+    def _history_rows(self) -> int:
+        return 0
+
+    def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _check_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _validated_noise_scale(noise_multiplier: float, max_grad_norm: float) -> float:
+        """``noise_multiplier * max_grad_norm`` after checking both; 0.0 means no noise."""
+        try:
+            noise_multiplier = float(noise_multiplier)
+            max_grad_norm = float(max_grad_norm)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"noise_multiplier and max_grad_norm must be real numbers, got "
+                f"{noise_multiplier!r} and {max_grad_norm!r}"
+            ) from error
+        if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0 (0 disables noise), got {noise_multiplier}"
+            )
+        if math.isnan(max_grad_norm) or max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
+        if noise_multiplier == 0.0:
+            return 0.0
+        if math.isinf(max_grad_norm):
+            raise ValueError(
+                "max_grad_norm is inf with noise_multiplier > 0: unclipped gradients have "
+                "unbounded sensitivity and no finite noise makes them private. Set a finite "
+                "max_grad_norm, or noise_multiplier=0 for non-private training."
+            )
+        scale = noise_multiplier * max_grad_norm
+        if not math.isfinite(scale):
+            raise ValueError(
+                f"noise_multiplier * max_grad_norm overflows ({noise_multiplier} * {max_grad_norm})"
+            )
+        return scale
+
+    def _check_tensors(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]:
+        if not tensors:
+            raise ValueError("tensors is empty: pass the clipped gradient sum of every parameter")
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"tensors[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"tensors[{index}] has dtype {tensor.dtype}; noise can only be added to "
+                    "floating-point tensors"
+                )
+        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        if self._signature is not None and signature != self._signature:
+            reference = self._signature
+            if len(signature) != len(reference):
+                detail = f"{len(reference)} tensors at the first step, {len(signature)} now"
+            else:
+                index = next(i for i, (a, b) in enumerate(zip(signature, reference)) if a != b)
+                detail = (
+                    f"tensors[{index}] was (shape {list(reference[index][0])}, "
+                    f"{reference[index][1]}, {reference[index][2]}), now (shape "
+                    f"{list(signature[index][0])}, {signature[index][1]}, {signature[index][2]})"
+                )
+            raise ValueError(
+                "tensors must be the same list (shapes, dtypes, devices, order) at every step, "
+                f"because the noise state is laid out over them: {detail}. Build a new "
+                "mechanism if the set of parameters changed."
+            )
+        saved = self._pending_signature
+        if self._signature is None and saved is not None:
+            current = [(list(shape), str(dtype), str(device)) for shape, dtype, device in signature]
+            if [(list(a), b) for a, b, _ in current] != [(list(a), b) for a, b, _ in saved]:
+                raise ValueError(
+                    "tensors do not match the (shapes, dtypes) saved in the loaded state: "
+                    "resume with the same parameters in the same order"
+                )
+        return signature
+
+    # ------------------------------------------------------------------ state handling
+    def _initialise(self, tensors: list[torch.Tensor], signature: tuple) -> None:
+        by_device: dict[torch.device, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_device.setdefault(tensor.device, []).append(index)
+        groups = []
+        for device_index, (device, indices) in enumerate(by_device.items()):
+            offsets, numel = [], 0
+            for index in indices:
+                offsets.append(numel)
+                numel += tensors[index].numel()
+            count = _SECURE_MODE_GENERATORS if self.secure_mode else 1
+            generators = []
+            for generator_index in range(count):
+                generator = torch.Generator(device=device)
+                if self.secure_mode:
+                    generator.manual_seed(_os_entropy_seed())
+                else:
+                    generator.manual_seed(_derived_seed(self._seed, device_index, generator_index))
+                generators.append(generator)
+            groups.append(
+                _DeviceGroup(
+                    device=device,
+                    tensor_indices=indices,
+                    offsets=offsets,
+                    numel=numel,
+                    dtype=_noise_dtype([tensors[i].dtype for i in indices]),
+                    generators=generators,
+                )
+            )
+        pending = self._pending_devices
+        if pending is not None:
+            self._check_saved_devices(pending, groups)
+        self._groups = groups
+        self._signature = signature
+        self._shapes = [tuple(t.shape) for t in tensors]
+        if pending is not None:
+            self._restore_devices(pending)
+            self._pending_devices = None
+            self._pending_signature = None
+
+    def _check_tensors_match_saved(self, saved_signature: list | None) -> None:
+        current = [(list(shape), str(dtype)) for shape, dtype, _ in self._signature]
+        if saved_signature is None or current != [(list(a), b) for a, b, _ in saved_signature]:
+            raise ValueError(
+                "saved state was taken over tensors of other shapes/dtypes than this "
+                "mechanism's; load it into a mechanism used with the same parameters"
+            )
+
+    def _ensure_buffers(self, group: _DeviceGroup) -> None:
+        if group.noise is not None:
+            return
+        group.noise = torch.empty(group.numel, dtype=group.dtype, device=group.device)
+        if self.secure_mode:
+            group.secure_scratch = torch.empty_like(group.noise)
+        group.noise_views = [
+            group.noise[offset : offset + math.prod(self._shapes[i])].view(self._shapes[i])
+            for i, offset in zip(group.tensor_indices, group.offsets)
+        ]
+        rows = self._history_rows()
+        if rows > 0 and group.history is None:
+            group.history = torch.zeros(rows, group.numel, dtype=group.dtype, device=group.device)
+        if rows > 0:
+            group.ring_weights = self._make_ring_weights(group.dtype, group.device)
+
+    def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
+        if not self.secure_mode:
+            group.noise.normal_(0.0, std, generator=group.generators[0])
+            return
+        # Sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
+        part_std = std / math.sqrt(len(group.generators))
+        group.noise.normal_(0.0, part_std, generator=group.generators[0])
+        for generator in group.generators[1:]:
+            group.secure_scratch.normal_(0.0, part_std, generator=generator)
+            group.noise.add_(group.secure_scratch)
+
+    @staticmethod
+    def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float) -> None:
+        same_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype == group.dtype]
+        other_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype != group.dtype]
+        if same_dtype:
+            targets, noises = zip(*same_dtype)
+            if scale == 1.0:
+                torch._foreach_add_(list(targets), list(noises))
+            else:
+                torch._foreach_add_(list(targets), list(noises), alpha=scale)
+        for target, noise in other_dtype:
+            target.add_(noise.to(target.dtype) if scale == 1.0 else (noise * scale).to(target.dtype))
+
+    def _check_saved_devices(
+        self, devices: list[dict[str, Any]], groups: list[_DeviceGroup] | None = None
+    ) -> None:
+        groups = self._groups if groups is None else groups
+        if len(devices) != len(groups):
+            raise ValueError(
+                f"saved state covers {len(devices)} device(s), the tensors are on {len(groups)}"
+            )
+        for saved, group in zip(devices, groups):
+            if saved["numel"] != group.numel or saved["dtype"] != str(group.dtype):
+                raise ValueError(
+                    f"saved state has {saved['numel']} {saved['dtype']} noise entries for "
+                    f"{saved['device']}, the tensors on {group.device} need {group.numel} "
+                    f"{group.dtype}: resume with the same parameters"
+                )
+            if torch.device(saved["device"]).type != group.device.type:
+                raise ValueError(
+                    f"saved generator state is for a {torch.device(saved['device']).type} device, "
+                    f"the tensors are on {group.device.type}: generator states do not transfer "
+                    "between device types"
+                )
+            if len(saved["generator_states"]) != len(group.generators):
+                raise ValueError("saved state has a different number of generators per device")
+            expected_rows = self._history_rows()
+            history = saved["history"]
+            if expected_rows and history is not None and tuple(history.shape) != (expected_rows, group.numel):
+                raise ValueError(
+                    f"saved history has shape {tuple(history.shape)}, expected "
+                    f"{(expected_rows, group.numel)}"
+                )
+
+    def _restore_devices(self, devices: list[dict[str, Any]]) -> None:
+        for saved, group in zip(devices, self._groups):
+            for generator, generator_state in zip(group.generators, saved["generator_states"]):
+                generator.set_state(generator_state)
+            if saved["history"] is not None:
+                group.history = saved["history"].to(device=group.device, dtype=group.dtype).clone()
+            elif group.history is not None:
+                group.history.zero_()
+
+
+class GaussianNoise(NoiseMechanism):
+    """DP-SGD noise: iid ``N(0, (noise_multiplier * max_grad_norm)^2)`` on every entry.
+
+    Guarantee: with per-example gradients clipped to L2 norm ``max_grad_norm`` and summed, each
+    step is the Gaussian mechanism with noise multiplier ``noise_multiplier`` (sensitivity
+    ``max_grad_norm`` under add/remove of one example). Noise is independent across entries,
+    tensors and steps.
+
+    Args:
+        seed: reproducible noise (per device, a derived stream). ``None``: OS entropy.
+        secure_mode: OS-entropy seeds only (``seed`` must be None); see ``NoiseMechanism``.
+    """
+
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """``noise_multiplier * max_grad_norm``; 0 when ``noise_multiplier`` is 0.
+
+        ========================  =====================
+        case                      result
+        ========================  =====================
+        noise_multiplier = 0      0.0 (no noise)
+        max_grad_norm = inf       ValueError if sigma>0
+        negative / NaN input      ValueError
+        ========================  =====================
+        """
+        return self._validated_noise_scale(noise_multiplier, max_grad_norm)
+
+    def __repr__(self) -> str:
+        return f"GaussianNoise(secure_mode={self.secure_mode}, step={self.step})"
+
+
+def _validated_coefficients(coefficients: Any) -> np.ndarray:
+    try:
+        array = np.asarray(coefficients, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"coefficients must be a 1-D sequence of numbers: {error}") from error
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(
+            f"coefficients must be a non-empty 1-D sequence (c_0, ..., c_(b-1)), got shape {array.shape}"
+        )
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"coefficients must all be finite, got {array.tolist()}")
+    if not array[0] > 0:
+        raise ValueError(
+            f"coefficients[0] (the diagonal c_0 of the strategy) must be > 0 so that C is "
+            f"invertible, got {array[0]}"
+        )
+    return array
+
+
+class BandMFNoise(NoiseMechanism):
+    """Banded matrix-factorisation noise: step ``t`` adds row ``t`` of ``C^{-1} Z``.
+
+    ``C`` is the ``b``-banded lower-triangular Toeplitz strategy with ``C[i, j] = c[i - j]``;
+    ``Z`` has iid ``N(0, s^2)`` entries with ``s = noise_multiplier * max_grad_norm * ||c||_2``.
+
+    Guarantee: the sequence of noisy gradients equals ``C^{-1} (C G + Z)``, post-processing of
+    the Gaussian mechanism on ``C G``. If every example participates in steps at least ``b``
+    apart (cyclic Poisson sampling with ``b`` groups), one participation changes ``C G`` by at
+    most ``max_grad_norm * ||c||_2`` (the largest column norm of ``C``) in L2, so the mechanism
+    is as private as DP-SGD with the same ``noise_multiplier`` on that participation pattern.
+    The coefficients may have any positive scale: the noise does not depend on it.
+
+    Column normalisation (``column_normalize_for_steps=n``, as in JAX Privacy and McKenna 2024):
+    for a run of exactly ``n`` steps, the last ``b - 1`` columns of the ``n x n`` matrix ``C``
+    are truncated and have smaller norms. Rescaling every column to norm ``||c||_2`` keeps the
+    sensitivity and multiplies row ``t`` of ``C^{-1}`` by ``||c[:min(b, n - t)]||_2 / ||c||_2``
+    (<= 1, = 1 for ``t <= n - b``): less noise in the final ``b - 1`` steps for the same
+    guarantee. Steps beyond ``n`` are then undefined and raise ``RuntimeError``.
+
+    ``noise_multiplier * max_grad_norm`` must be the same at every step: the guarantee above is
+    for rows of ``Z`` with one scale.
+
+    =====================================  ============================================
+    case                                   result
+    =====================================  ============================================
+    coefficients = (c_0,)                  GaussianNoise noise (identical for c_0 = 1)
+    coefficients not 1-D / non-finite      ValueError naming coefficients
+    c_0 <= 0                               ValueError naming coefficients
+    noise_multiplier = 0 at every step     no noise, step advances
+    noise scale changes between steps      ValueError, nothing changed
+    step >= column_normalize_for_steps     RuntimeError, nothing changed
+    secure_mode with a seed                ValueError
+    =====================================  ============================================
+    """
+
+    def __init__(
+        self,
+        coefficients: Sequence[float] | np.ndarray | torch.Tensor,
+        *,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        column_normalize_for_steps: int | None = None,
+    ) -> None:
+        if isinstance(coefficients, torch.Tensor):
+            coefficients = coefficients.detach().cpu().double().numpy()
+        self.coefficients = _validated_coefficients(coefficients)
+        if column_normalize_for_steps is not None and (
+            isinstance(column_normalize_for_steps, bool)
+            or not isinstance(column_normalize_for_steps, (int, np.integer))
+            or column_normalize_for_steps < 1
+        ):
+            raise ValueError(
+                "column_normalize_for_steps must be None or a positive int (the number of steps "
+                f"of the run), got {column_normalize_for_steps!r}"
+            )
+        super().__init__(seed=seed, secure_mode=secure_mode)
+        self.column_normalize_for_steps = (
+            None if column_normalize_for_steps is None else int(column_normalize_for_steps)
+        )
+        self.num_bands = int(self.coefficients.size)
+        self.sensitivity = float(np.linalg.norm(self.coefficients))
+        self._ring_position = 0
+        self._fixed_scale: float | None = None  # noise_multiplier * max_grad_norm of step 0
+        self._row_scale_tail = self._column_scales()
+
+    def _column_scales(self) -> list[float]:
+        """Row scales of the normalised ``C^{-1}`` for the last ``min(b - 1, n)`` steps."""
+        n = self.column_normalize_for_steps
+        if n is None:
+            return []
+        prefix_norms = np.sqrt(np.cumsum(self.coefficients**2)) / self.sensitivity
+        # Step t of n keeps coefficients c_0..c_{min(b-1, n-1-t)} in its column.
+        tail = [float(prefix_norms[min(self.num_bands - 1, n - 1 - t)]) for t in range(n)]
+        return tail[max(0, n - (self.num_bands - 1)) :]
+
+    def _row_scale(self, step: int) -> float:
+        n = self.column_normalize_for_steps
+        if n is None:
+            return 1.0
+        first_tail_step = n - len(self._row_scale_tail)
+        return 1.0 if step < first_tail_step else self._row_scale_tail[step - first_tail_step]
+
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """``s = noise_multiplier * max_grad_norm * ||c||_2``, the std of the fresh draws ``z_t``.
+
+        The noise actually added at step ``t`` has covariance ``s^2 (C^{-1} C^{-T})[t, t]`` per
+        entry (``s^2 / c_0^2`` at step 0). Edge cases as ``GaussianNoise.noise_std``.
+        """
+        return self._validated_noise_scale(noise_multiplier, max_grad_norm) * self.sensitivity
+
+    def _before_step(self, noise_scale: float) -> None:
+        fixed = self._fixed_scale
+        if fixed is not None and not math.isclose(noise_scale, fixed, rel_tol=1e-9):
+            raise ValueError(
+                "BandMFNoise needs the same noise_multiplier * max_grad_norm at every step "
+                f"(first step: {fixed}, now: {noise_scale}): the guarantee covers rows of Z "
+                "with one scale"
+            )
+        self._this_step_scale = noise_scale
+        n = self.column_normalize_for_steps
+        if n is not None and self._step >= n:
+            raise RuntimeError(
+                f"the strategy was column-normalised for column_normalize_for_steps={n} steps "
+                f"and step {self._step + 1} was requested; build the mechanism with the real "
+                "number of steps"
+            )
+
+    def _after_step(self) -> None:
+        if self._fixed_scale is None:
+            self._fixed_scale = self._this_step_scale
+        if self.num_bands > 1:
+            self._ring_position = (self._ring_position + 1) % (self.num_bands - 1)
+
+    def _history_rows(self) -> int:
+        return self.num_bands - 1
+
+    def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Ring slot (p - j) mod (b - 1) holds x_{t-j} when the next write goes to slot p, so the
+        # weights for position p are the coefficients c_1..c_{b-1} rotated accordingly; one
+        # precomputed row per position keeps host-to-device copies out of the step.
+        slots = self.num_bands - 1
+        weights = np.zeros((slots, slots))
+        for position in range(slots):
+            for lag in range(1, self.num_bands):
+                weights[position, (position - lag) % slots] = self.coefficients[lag]
+        return torch.as_tensor(weights, dtype=dtype, device=device)
+
+    def _form_noise(self, group: _DeviceGroup) -> float:
+        c_0 = float(self.coefficients[0])
+        if self.num_bands == 1:
+            if c_0 != 1.0:
+                group.noise.div_(c_0)
+        else:
+            # x_t = (z_t - sum_j c_j x_{t-j}) / c_0 in one pass over the history (one gemv).
+            position = self._ring_position
+            group.noise.addmv_(
+                group.history.t(), group.ring_weights[position], beta=1.0 / c_0, alpha=-1.0 / c_0
+            )
+            group.history[position].copy_(group.noise)
+        return self._row_scale(self._step)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "coefficients": self.coefficients.tolist(),
+            "column_normalize_for_steps": self.column_normalize_for_steps,
+            "ring_position": self._ring_position,
+            "noise_scale": self._fixed_scale,
+        }
+
+    def _check_extra_state(self, state: dict[str, Any]) -> None:
+        saved = np.asarray(state["coefficients"], dtype=np.float64)
+        if saved.shape != self.coefficients.shape or not np.array_equal(saved, self.coefficients):
+            raise ValueError(
+                "state was saved with different coefficients; build BandMFNoise with the "
+                "coefficients of the saved run"
+            )
+        if state["column_normalize_for_steps"] != self.column_normalize_for_steps:
+            raise ValueError(
+                f"state was saved with column_normalize_for_steps="
+                f"{state['column_normalize_for_steps']}, this mechanism has "
+                f"{self.column_normalize_for_steps}"
+            )
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._ring_position = int(state["ring_position"])
+        self._fixed_scale = state["noise_scale"]
+
+    def __repr__(self) -> str:
+        return (
+            f"BandMFNoise(num_bands={self.num_bands}, column_normalize_for_steps="
+            f"{self.column_normalize_for_steps}, secure_mode={self.secure_mode}, step={self.step})"
+        )

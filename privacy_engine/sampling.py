@@ -1,0 +1,553 @@
+"""Batch samplers for private training, and a DataLoader that uses them.
+
+* ``PoissonBatchSampler``: every step includes every example independently with probability
+  ``q`` (the sampling DP-SGD's amplification analysis assumes). Batches vary in size and can be
+  empty.
+* ``CyclicPoissonBatchSampler``: the examples are split once into ``b`` groups; step ``t``
+  Poisson-samples (probability ``p``) from group ``t mod b`` only, so an example's participations
+  are at least ``b`` steps apart (what BandMF with ``b`` bands needs, Choquette-Choo et al. 2023,
+  arXiv:2306.08153). With ``max_batch_size`` it truncates (random subset) and pads every batch
+  to exactly ``max_batch_size``, recording which entries are padding.
+* ``DPDataLoader``: wraps an existing ``torch.utils.data.DataLoader`` (same dataset, collate_fn,
+  workers, pinning, ...) with one of these samplers; empty batches come out as zero-length
+  tensors, and ``loader.padding_mask`` follows the batch last yielded.
+
+Randomness comes from a ``torch.Generator`` (``None``: torch's global generator); sampling uses
+float64 uniforms, so inclusion probabilities are exact to 2**-53.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import numbers
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+__all__ = ["CyclicPoissonBatchSampler", "DPDataLoader", "PoissonBatchSampler"]
+
+
+def _positive_int(value: Any, name: str, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
+    return int(value)
+
+
+def _validated_sample_rate(sample_rate: Any, name: str = "sample_rate") -> float:
+    try:
+        rate = float(sample_rate)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} must be a number in (0, 1], got {sample_rate!r}") from error
+    if not (0.0 < rate <= 1.0):
+        raise ValueError(
+            f"{name} must be in (0, 1] (the probability that an example is in a batch), got {rate}"
+        )
+    return rate
+
+
+def _validated_generator(generator: Any) -> torch.Generator | None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError("generator must be a CPU torch.Generator: sampling runs on the CPU")
+    return generator
+
+
+def _bernoulli_members(members: torch.Tensor, rate: float, generator: torch.Generator | None) -> torch.Tensor:
+    # One float64 uniform per member, compared with the rate: inclusion is Bernoulli(rate),
+    # independent across members and steps, and never looks at the data.
+    if rate >= 1.0:
+        return members
+    uniforms = torch.rand(members.numel(), generator=generator, dtype=torch.float64)
+    return members[uniforms < rate]
+
+
+class _DPBatchSampler(Sampler[list[int]]):
+    """Common state: the step counter and the per-batch records ``DPDataLoader`` consumes."""
+
+    num_groups: int
+    max_batch_size: int | None
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._next_step = 0
+        # (step, padding_mask) per drawn batch, filled only while a DPDataLoader is attached
+        # (otherwise direct iteration would grow it without bound).
+        self._records: collections.deque[tuple[int, torch.Tensor | None]] = collections.deque()
+        self._recording = False
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _draw(self, step: int) -> tuple[list[int], torch.Tensor | None]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self._next_step
+        for step in range(start, start + self.steps):
+            indices, padding_mask = self._draw(step)
+            self._next_step = step + 1
+            if self._recording:
+                self._records.append((step, padding_mask))
+            yield indices
+
+
+class PoissonBatchSampler(_DPBatchSampler):
+    """Batches of a Poisson-subsampled dataset.
+
+    Guarantee: in every step, every index in ``range(num_samples)`` is included independently
+    with probability ``sample_rate`` (float64 uniform < q), independently of other steps and of
+    the data. Batch sizes are Binomial(num_samples, q), so batches vary and can be empty.
+
+    ``len(sampler)`` is ``steps`` (default ``round(1 / sample_rate)``: one epoch in
+    expectation); each ``iter`` draws that many batches.
+
+    ==========================  ==================================
+    case                        result
+    ==========================  ==================================
+    sample_rate = 1             every index in every batch
+    sample_rate <= 0 or > 1     ValueError naming sample_rate
+    num_samples < 1             ValueError naming num_samples
+    steps < 1                   ValueError naming steps
+    generator None              torch's global generator
+    ==========================  ==================================
+    """
+
+    num_groups = 1
+    max_batch_size = None
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        *,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.num_samples = _positive_int(num_samples, "num_samples")
+        self.sample_rate = _validated_sample_rate(sample_rate)
+        self.generator = _validated_generator(generator)
+        default_steps = max(1, round(1.0 / self.sample_rate))
+        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        self._all = torch.arange(self.num_samples)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.num_samples
+
+    def _draw(self, step: int) -> tuple[list[int], None]:
+        return _bernoulli_members(self._all, self.sample_rate, self.generator).tolist(), None
+
+    def __repr__(self) -> str:
+        return (
+            f"PoissonBatchSampler(num_samples={self.num_samples}, sample_rate={self.sample_rate}, "
+            f"steps={self.steps})"
+        )
+
+
+class CyclicPoissonBatchSampler(_DPBatchSampler):
+    """Cyclic Poisson sampling: ``num_groups`` fixed groups, step ``t`` samples group ``t mod b``.
+
+    The examples are split into ``b = num_groups`` groups once, at construction:
+
+    * ``public_size=True``: a uniformly random permutation cut into ``b`` contiguous parts of
+      equal size (sizes differ by at most one); fine when the dataset size is public.
+    * ``public_size=False``: every example picks its group uniformly and independently, so
+      adding or removing one example changes no other example's group.
+
+    Guarantee: at global step ``t`` only members of group ``t mod b`` can appear, each included
+    independently with probability ``sample_rate`` (independent of other steps and of the data).
+    The step counter runs on across epochs (``iter`` calls), so every example's participations
+    are at least ``b`` steps apart over the whole run. Through ``DPDataLoader``, the counter
+    counts batches actually yielded: batches prefetched by workers but never yielded are drawn
+    afresh next epoch, so discarded draws never shorten a separation.
+
+    Truncation (``max_batch_size``): if more than ``max_batch_size`` members are drawn, a
+    uniformly random subset of ``max_batch_size`` is kept; every batch is padded to exactly
+    ``max_batch_size`` with the group's first member (index 0 if the group is empty), and the
+    batch's ``padding_mask`` (True = padding) marks those entries, which the optimizer must
+    drop. Accounting must then treat the mechanism as truncated Poisson sampling.
+
+    ``len(sampler)`` is ``steps`` (default ``b * round(1 / sample_rate)``: each example is
+    sampled once per epoch in expectation).
+
+    ==========================  ==========================================
+    case                        result
+    ==========================  ==========================================
+    num_groups = 1              Poisson sampling (optionally truncated)
+    num_groups > num_samples    ValueError naming num_groups
+    sample_rate not in (0, 1]   ValueError naming sample_rate
+    empty group (private size)  empty batch (all padding when truncated)
+    max_batch_size < 1          ValueError naming max_batch_size
+    ==========================  ==========================================
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        num_groups: int,
+        sample_rate: float,
+        *,
+        steps: int | None = None,
+        public_size: bool = True,
+        generator: torch.Generator | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        self.num_samples = _positive_int(num_samples, "num_samples")
+        self.num_groups = _positive_int(num_groups, "num_groups")
+        if self.num_groups > self.num_samples:
+            raise ValueError(
+                f"num_groups={self.num_groups} exceeds the dataset size {self.num_samples}: every "
+                "group needs examples; use at most as many groups (bands) as examples"
+            )
+        self.sample_rate = _validated_sample_rate(sample_rate)
+        self.generator = _validated_generator(generator)
+        self.public_size = bool(public_size)
+        self.max_batch_size = (
+            None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
+        )
+        default_steps = self.num_groups * max(1, round(1.0 / self.sample_rate))
+        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        if self.public_size:
+            permutation = torch.randperm(self.num_samples, generator=self.generator)
+            self.groups = list(torch.tensor_split(permutation, self.num_groups))
+        else:
+            assignment = torch.randint(
+                self.num_groups, (self.num_samples,), generator=self.generator
+            )
+            self.groups = [
+                torch.nonzero(assignment == group).flatten() for group in range(self.num_groups)
+            ]
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Expected number of real (non-padding) examples per batch before truncation."""
+        return self.sample_rate * self.num_samples / self.num_groups
+
+    def group_of_step(self, step: int) -> int:
+        """The group that global step ``step`` samples from."""
+        return step % self.num_groups
+
+    def _draw(self, step: int) -> tuple[list[int], torch.Tensor | None]:
+        members = self.groups[self.group_of_step(step)]
+        chosen = _bernoulli_members(members, self.sample_rate, self.generator)
+        if self.max_batch_size is None:
+            return chosen.tolist(), None
+        if chosen.numel() > self.max_batch_size:
+            keep = torch.randperm(chosen.numel(), generator=self.generator)[: self.max_batch_size]
+            chosen = chosen[keep]
+        padding = self.max_batch_size - chosen.numel()
+        filler = int(members[0]) if members.numel() else 0
+        indices = chosen.tolist() + [filler] * padding
+        padding_mask = torch.zeros(self.max_batch_size, dtype=torch.bool)
+        padding_mask[chosen.numel() :] = True
+        return indices, padding_mask
+
+    def state_dict(self) -> dict[str, Any]:
+        """Group membership and the next step: resuming with it keeps the min-separation."""
+        return {"groups": [g.clone() for g in self.groups], "next_step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = [torch.as_tensor(g, dtype=torch.long) for g in state["groups"]]
+        if len(groups) != self.num_groups or sum(g.numel() for g in groups) != self.num_samples:
+            raise ValueError(
+                "state has another number of groups or examples than this sampler; build the "
+                "sampler with the same num_samples and num_groups"
+            )
+        self.groups = groups
+        self._next_step = int(state["next_step"])
+
+    def __repr__(self) -> str:
+        return (
+            f"CyclicPoissonBatchSampler(num_samples={self.num_samples}, num_groups="
+            f"{self.num_groups}, sample_rate={self.sample_rate}, steps={self.steps}, "
+            f"public_size={self.public_size}, max_batch_size={self.max_batch_size})"
+        )
+
+
+def _is_plain_leaf(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bytes, numbers.Number))
+
+
+def _zero_length(collated: Any) -> Any:
+    """``collated`` (a batch of one example) with its batch dimension cut to length 0."""
+    if isinstance(collated, torch.Tensor):
+        return collated[:0] if collated.dim() > 0 else collated
+    if isinstance(collated, np.ndarray):
+        return collated[:0] if collated.ndim > 0 else collated
+    if isinstance(collated, Mapping):
+        items = {key: _zero_length(value) for key, value in collated.items()}
+        try:
+            return type(collated)(items)
+        except TypeError:
+            return items
+    if isinstance(collated, tuple) and hasattr(collated, "_fields"):  # namedtuple
+        return type(collated)(*(_zero_length(value) for value in collated))
+    if isinstance(collated, (list, tuple)):
+        # default_collate returns plain values (strings, numbers) as a sequence over the batch:
+        # that sequence is the batch dimension. Sequences holding tensors/containers are fields.
+        if all(_is_plain_leaf(value) for value in collated):
+            return type(collated)()
+        return type(collated)(_zero_length(value) for value in collated)
+    return collated
+
+
+class _EmptyBatchSafeCollate:
+    """Collate function that turns an empty batch into zero-length tensors of the right shape.
+
+    ``collate_fn([])`` fails for most collate functions, and an empty Poisson batch is a normal
+    event. For an empty batch this collates example 0 of the dataset alone and cuts every batch
+    dimension to length 0, so the trailing shapes and dtypes are those of a real batch. Picklable
+    (it runs in worker processes).
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Dataset) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+        self._empty_template: Any = None
+        self._has_template = False
+
+    def __call__(self, batch: list) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if not self._has_template:
+            self._empty_template = _zero_length(self.collate_fn([self.dataset[0]]))
+            self._has_template = True
+        return self._empty_template
+
+
+def _sized_dataset_length(loader: DataLoader) -> int:
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"loader.dataset ({type(dataset).__name__}) is an IterableDataset: Poisson sampling "
+            "needs a sized, map-style dataset (len(dataset) and dataset[i]) to include each "
+            "example independently"
+        )
+    try:
+        length = len(dataset)
+    except TypeError as error:
+        raise TypeError(
+            f"loader.dataset ({type(dataset).__name__}) has no __len__: Poisson sampling needs a "
+            "sized, map-style dataset (len(dataset) and dataset[i])"
+        ) from error
+    if length < 1:
+        raise ValueError("loader.dataset is empty: there is nothing to sample")
+    return length
+
+
+def _expected_batch_size(loader: DataLoader) -> int:
+    if loader.batch_size is None:
+        raise ValueError(
+            "loader.batch_size is None (built with batch_sampler= or batch_size=None): build the "
+            "DataLoader with batch_size set to the expected batch size you want"
+        )
+    return int(loader.batch_size)
+
+
+_DATALOADER_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+class DPDataLoader(DataLoader):
+    """A DataLoader whose batches come from a Poisson or cyclic Poisson batch sampler.
+
+    Build it from an existing loader with ``DPDataLoader.from_data_loader`` (Poisson) or
+    ``DPDataLoader.cyclic`` (cyclic Poisson, optionally truncated); it keeps the loader's
+    dataset, collate_fn, num_workers, pin_memory, timeout, worker_init_fn,
+    multiprocessing_context, generator (worker seeds), prefetch_factor, persistent_workers and
+    pin_memory_device; its sampler/shuffle/drop_last are replaced by the private sampler.
+
+    Attributes: ``sample_rate`` (per-step inclusion probability of an eligible example),
+    ``expected_batch_size``, ``num_groups`` (1 for Poisson), ``max_batch_size`` (None unless
+    truncated), ``padding_mask`` (bool tensor, True = padding, for the batch most recently
+    yielded; None when batches are not padded).
+
+    Guarantee: which examples are in a batch is decided by the batch sampler alone
+    (independent Bernoulli draws, see the samplers), never by the data; empty batches are
+    yielded as zero-length tensors. Iterate one iterator at a time: ``padding_mask`` and the
+    cyclic step counter follow the yields of the current iterator.
+    """
+
+    def __init__(self, dataset: Dataset, batch_sampler: _DPBatchSampler, **loader_kwargs: Any) -> None:
+        if not isinstance(batch_sampler, _DPBatchSampler):
+            raise TypeError(
+                "batch_sampler must be a PoissonBatchSampler or CyclicPoissonBatchSampler, got "
+                f"{type(batch_sampler).__name__}"
+            )
+        collate_fn = loader_kwargs.pop("collate_fn", None)
+        if collate_fn is None:
+            collate_fn = torch.utils.data.default_collate
+        if isinstance(collate_fn, _EmptyBatchSafeCollate):
+            collate_fn = collate_fn.collate_fn
+        # Masks are matched to batches in order, so batches must come back in sampler order.
+        if _DATALOADER_HAS_IN_ORDER:
+            loader_kwargs["in_order"] = True
+        super().__init__(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=_EmptyBatchSafeCollate(collate_fn, dataset),
+            **loader_kwargs,
+        )
+        self.padding_mask: torch.Tensor | None = None
+        self._consumed_steps = batch_sampler._next_step
+
+    # ------------------------------------------------------------------ constructors
+    @staticmethod
+    def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "collate_fn": loader.collate_fn,
+            "num_workers": loader.num_workers,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": loader.generator,
+            "persistent_workers": loader.persistent_workers,
+            "pin_memory_device": loader.pin_memory_device,
+        }
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        return kwargs
+
+    @classmethod
+    def from_data_loader(
+        cls,
+        loader: DataLoader,
+        *,
+        generator: torch.Generator | None = None,
+        steps: int | None = None,
+    ) -> DPDataLoader:
+        """Poisson-sampling version of ``loader``: ``q = loader.batch_size / len(dataset)``.
+
+        ``generator`` drives the sampling (None: torch's global generator); ``steps`` per epoch
+        defaults to ``round(1 / q)``.
+
+        ============================  ===========================================
+        case                          result
+        ============================  ===========================================
+        dataset has no __len__        TypeError naming loader.dataset
+        loader.batch_size None        ValueError naming loader.batch_size
+        batch_size > len(dataset)     ValueError (sample_rate would exceed 1)
+        ============================  ===========================================
+        """
+        num_samples = _sized_dataset_length(loader)
+        batch_size = _expected_batch_size(loader)
+        if batch_size > num_samples:
+            raise ValueError(
+                f"loader.batch_size={batch_size} exceeds len(loader.dataset)={num_samples}: the "
+                "sample rate batch_size / len(dataset) must be <= 1"
+            )
+        sampler = PoissonBatchSampler(
+            num_samples, batch_size / num_samples, steps=steps, generator=generator
+        )
+        return cls(loader.dataset, sampler, **cls._loader_kwargs(loader))
+
+    @classmethod
+    def cyclic(
+        cls,
+        loader: DataLoader,
+        num_groups: int,
+        *,
+        max_batch_size: int | None = None,
+        public_size: bool = True,
+        generator: torch.Generator | None = None,
+        steps: int | None = None,
+    ) -> DPDataLoader:
+        """Cyclic Poisson version of ``loader`` with ``num_groups`` groups (= BandMF bands).
+
+        Expected batch size stays ``loader.batch_size``: each step samples its group with
+        ``p = batch_size * num_groups / len(dataset)``. ``max_batch_size`` truncates and pads
+        (see ``CyclicPoissonBatchSampler``); ``num_groups=1`` with ``max_batch_size`` is
+        truncated Poisson sampling.
+
+        ============================  ===========================================
+        case                          result
+        ============================  ===========================================
+        dataset has no __len__        TypeError naming loader.dataset
+        loader.batch_size None        ValueError naming loader.batch_size
+        num_groups > len(dataset)     ValueError naming num_groups
+        batch_size * num_groups > N   ValueError (p would exceed 1)
+        ============================  ===========================================
+        """
+        num_samples = _sized_dataset_length(loader)
+        batch_size = _expected_batch_size(loader)
+        num_groups = _positive_int(num_groups, "num_groups")
+        if num_groups > num_samples:
+            raise ValueError(
+                f"num_groups={num_groups} exceeds len(loader.dataset)={num_samples}: use at most "
+                "as many groups as examples"
+            )
+        if batch_size * num_groups > num_samples:
+            raise ValueError(
+                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds "
+                f"len(loader.dataset)={num_samples}: each group has only ~{num_samples // num_groups} "
+                "examples, so the per-group sample rate would exceed 1; lower batch_size or "
+                "num_groups"
+            )
+        sampler = CyclicPoissonBatchSampler(
+            num_samples,
+            num_groups,
+            batch_size * num_groups / num_samples,
+            steps=steps,
+            public_size=public_size,
+            generator=generator,
+            max_batch_size=max_batch_size,
+        )
+        return cls(loader.dataset, sampler, **cls._loader_kwargs(loader))
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_sampler.sample_rate
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.batch_sampler.expected_batch_size
+
+    @property
+    def num_groups(self) -> int:
+        return self.batch_sampler.num_groups
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.batch_sampler.max_batch_size
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        sampler: _DPBatchSampler = self.batch_sampler
+        # Restart from the last batch actually yielded: draws that workers prefetched but that
+        # were never yielded are discarded, not skipped over.
+        sampler._next_step = self._consumed_steps
+        sampler._records.clear()
+        sampler._recording = True
+        self.padding_mask = None
+        try:
+            for batch in super().__iter__():
+                step, padding_mask = sampler._records.popleft()
+                self.padding_mask = padding_mask
+                self._consumed_steps = step + 1
+                yield batch
+        finally:
+            sampler._recording = False
+            sampler._records.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler state as of the last yielded batch (cyclic: groups and next step)."""
+        sampler = self.batch_sampler
+        if isinstance(sampler, CyclicPoissonBatchSampler):
+            state = sampler.state_dict()
+            state["next_step"] = self._consumed_steps
+            return state
+        return {"next_step": self._consumed_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sampler = self.batch_sampler
+        if isinstance(sampler, CyclicPoissonBatchSampler):
+            sampler.load_state_dict(state)
+        self._consumed_steps = int(state["next_step"])
+        sampler._next_step = self._consumed_steps
+
