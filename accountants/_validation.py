@@ -27,10 +27,14 @@ def check_real(
     suffix = f" {hint}" if hint else ""
     # bool is an int subclass: True as a noise multiplier is a bug, not a number.
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number in {interval}; got the bool {value!r}.{suffix}")
+        raise TypeError(
+            f"{name} must be a real number in {interval}; got the bool {value!r}.{suffix}"
+        )
     # float("1e-5") would succeed, but a string here is a caller's bug (e.g. an unparsed CLI flag).
     if isinstance(value, str | bytes):
-        raise TypeError(f"{name} must be a real number in {interval}; got the string {value!r}.{suffix}")
+        raise TypeError(
+            f"{name} must be a real number in {interval}; got the string {value!r}.{suffix}"
+        )
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -39,7 +43,9 @@ def check_real(
             f"of type {type(value).__name__}.{suffix}"
         ) from None
     if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number in {interval}; got {value!r}.{suffix}")
+        raise ValueError(
+            f"{name} must be a finite number in {interval}; got {value!r}.{suffix}"
+        )
     too_low = number <= low if low_open else number < low
     too_high = number >= high if high_open else number > high
     if too_low or too_high:
@@ -94,11 +100,16 @@ def check_sample_rate(sample_rate: Any) -> float:
 
 def check_num_bands(num_bands: Any) -> int:
     return check_int(
-        "num_bands", num_bands, low=1, hint="Use 1 for DP-SGD, b >= 2 for BandMF with b bands."
+        "num_bands",
+        num_bands,
+        low=1,
+        hint="Use 1 for DP-SGD, b >= 2 for BandMF with b bands.",
     )
 
 
-def check_truncation(group_size: Any, max_batch_size: Any) -> tuple[int | None, int | None]:
+def check_truncation(
+    group_size: Any, max_batch_size: Any
+) -> tuple[int | None, int | None]:
     """Both None (no truncation) or both integers >= 1."""
     if (group_size is None) != (max_batch_size is None):
         missing = "group_size" if group_size is None else "max_batch_size"
@@ -110,6 +121,16 @@ def check_truncation(group_size: Any, max_batch_size: Any) -> tuple[int | None, 
     if group_size is None:
         return None, None
     return (
-        check_int("group_size", group_size, low=1, hint="It is the number of examples sampled from."),
-        check_int("max_batch_size", max_batch_size, low=1, hint="It is the cap on the batch size."),
+        check_int(
+            "group_size",
+            group_size,
+            low=1,
+            hint="It is the number of examples sampled from.",
+        ),
+        check_int(
+            "max_batch_size",
+            max_batch_size,
+            low=1,
+            hint="It is the cap on the batch size.",
+        ),
     )

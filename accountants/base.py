@@ -57,11 +57,17 @@ class HistoryEntry:
     def __post_init__(self) -> None:
         # Normalise to python types so equality, merging and JSON do not depend on the caller's
         # numeric type (numpy / torch scalars).
-        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
+        object.__setattr__(
+            self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier)
+        )
         object.__setattr__(self, "sample_rate", check_sample_rate(self.sample_rate))
-        object.__setattr__(self, "num_steps", check_int("num_steps", self.num_steps, low=1))
+        object.__setattr__(
+            self, "num_steps", check_int("num_steps", self.num_steps, low=1)
+        )
         object.__setattr__(self, "num_bands", check_num_bands(self.num_bands))
-        group_size, max_batch_size = check_truncation(self.group_size, self.max_batch_size)
+        group_size, max_batch_size = check_truncation(
+            self.group_size, self.max_batch_size
+        )
         object.__setattr__(self, "group_size", group_size)
         object.__setattr__(self, "max_batch_size", max_batch_size)
 
@@ -99,7 +105,9 @@ class HistoryEntry:
                 self.group_size,
                 self.max_batch_size,
             )
-        return bandmf_event(self.noise_multiplier, self.sample_rate, self.num_steps, self.num_bands)
+        return bandmf_event(
+            self.noise_multiplier, self.sample_rate, self.num_steps, self.num_bands
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,11 +115,15 @@ class HistoryEntry:
     @classmethod
     def from_dict(cls, data: Any) -> HistoryEntry:
         if not isinstance(data, dict):
-            raise TypeError(f"a history entry must be a dict; got {type(data).__name__}.")
+            raise TypeError(
+                f"a history entry must be a dict; got {type(data).__name__}."
+            )
         fields = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise ValueError(f"history entry has unknown keys {unknown}; allowed: {sorted(fields)}.")
+            raise ValueError(
+                f"history entry has unknown keys {unknown}; allowed: {sorted(fields)}."
+            )
         return cls(**data)
 
 
@@ -162,7 +174,7 @@ class Accountant(abc.ABC):
         case                         result
         ===========================  ================================================
         num_steps = 0                arguments validated, nothing recorded
-        same mechanism as last entry merged into it (count added)
+        same as the last entry       merged into it (count added)
         noise_multiplier = 0, q > 0  recorded; get_epsilon returns inf
         sample_rate = 0              recorded; contributes epsilon 0
         num_bands = b > 1            entry composes ceil(count / b) participations
@@ -189,7 +201,9 @@ class Accountant(abc.ABC):
         if num_steps == 0:
             return
         if last is not None and last.same_mechanism(entry):
-            self._history[-1] = dataclasses.replace(last, num_steps=last.num_steps + num_steps)
+            self._history[-1] = dataclasses.replace(
+                last, num_steps=last.num_steps + num_steps
+            )
         else:
             self._history.append(dataclasses.replace(entry, num_steps=num_steps))
         self._composed = None
@@ -206,8 +220,16 @@ class Accountant(abc.ABC):
             for name, cls in ACCOUNTANTS.items()
             if name != self.name and cls()._new_dp_accountant().supports(event)
         ]
-        alternative = f"use {' or '.join(others)} instead" if others else "no accountant here supports it"
-        what = "truncated Poisson sampling (max_batch_size, group_size)" if entry.truncated else "this step"
+        alternative = (
+            f"use {' or '.join(others)} instead"
+            if others
+            else "no accountant here supports it"
+        )
+        what = (
+            "truncated Poisson sampling (max_batch_size, group_size)"
+            if entry.truncated
+            else "this step"
+        )
         inner = event
         while hasattr(inner, "event"):
             inner = inner.event
@@ -303,7 +325,9 @@ class Accountant(abc.ABC):
         ValueError: build the matching one with make_accountant(state_dict["accountant"]).
         """
         if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}.")
+            raise TypeError(
+                f"state_dict must be a dict; got {type(state_dict).__name__}."
+            )
         missing = {"format", "accountant", "settings", "history"} - set(state_dict)
         if missing:
             raise ValueError(f"state_dict is missing keys {sorted(missing)}.")
@@ -321,7 +345,9 @@ class Accountant(abc.ABC):
         settings = state_dict["settings"]
         if not isinstance(settings, dict):
             raise TypeError("state_dict['settings'] must be a dict.")
-        loaded = type(self)(**settings)  # validates the settings before anything changes
+        loaded = type(self)(
+            **settings
+        )  # validates the settings before anything changes
         if not isinstance(state_dict["history"], list | tuple):
             raise TypeError("state_dict['history'] must be a list of entries.")
         history = [HistoryEntry.from_dict(entry) for entry in state_dict["history"]]
@@ -334,5 +360,7 @@ class Accountant(abc.ABC):
         self._composed = None
 
     def __repr__(self) -> str:
-        settings = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+        settings = ", ".join(
+            f"{key}={value!r}" for key, value in self.settings().items()
+        )
         return f"{type(self).__name__}({settings}) with {self.steps} steps in {len(self._history)} entries"

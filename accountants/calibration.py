@@ -116,7 +116,9 @@ def calibrate_noise_multiplier(
         max_batch_size: batch size cap, for truncated sampling (with group_size).
         tolerance: relative precision of the search in sigma, in (0, 0.1].
     """
-    target_epsilon = check_real("target_epsilon", target_epsilon, low=0.0, low_open=True)
+    target_epsilon = check_real(
+        "target_epsilon", target_epsilon, low=0.0, low_open=True
+    )
     target_delta = check_delta(target_delta, "target_delta")
     sample_rate = check_sample_rate(sample_rate)
     steps = check_int("steps", steps, low=0)
@@ -136,18 +138,29 @@ def calibrate_noise_multiplier(
 
     final = _EpsilonGap(template, mechanism, target_epsilon, target_delta)
     participations = max_participations(steps, num_bands)
-    if (participations == 0 or sample_rate == 0.0) and final.epsilon(0.0) <= target_epsilon:
+    if (participations == 0 or sample_rate == 0.0) and final.epsilon(
+        0.0
+    ) <= target_epsilon:
         return 0.0
 
-    log_sigma = math.log(_initial_guess(target_epsilon, target_delta, sample_rate, participations))
+    log_sigma = math.log(
+        _initial_guess(target_epsilon, target_delta, sample_rate, participations)
+    )
     slope = -1.0
     gaps = [
-        _EpsilonGap(PLDAccountant(value_discretization_interval=interval), mechanism, target_epsilon, target_delta)
+        _EpsilonGap(
+            PLDAccountant(value_discretization_interval=interval),
+            mechanism,
+            target_epsilon,
+            target_delta,
+        )
         for interval in _coarse_grids(template, target_epsilon, participations)
     ] + [final]
     try:
         # The first level starts from a rough guess and brackets; later ones start next to the root.
-        _, log_sigma, slope = _solve(gaps[0], log_sigma, slope, _COARSE_XTOL if len(gaps) > 1 else tolerance / 2)
+        _, log_sigma, slope = _solve(
+            gaps[0], log_sigma, slope, _COARSE_XTOL if len(gaps) > 1 else tolerance / 2
+        )
         for gap in gaps[1:-1]:
             # Land well inside the tolerance: the final level is meant to need a single evaluation.
             log_sigma, slope = _refine(gap, log_sigma, slope, tolerance / 4)
@@ -161,7 +174,9 @@ def calibrate_noise_multiplier(
     # The guarantee: this exact float was evaluated on the requested accountant and passed.
     # (An explicit check rather than an assert, which `python -O` would strip.)
     if not final.epsilons[log_sigma] <= target_epsilon:
-        raise RuntimeError("internal error: calibration was about to return an unverified sigma")
+        raise RuntimeError(
+            "internal error: calibration was about to return an unverified sigma"
+        )
     return _sigma(log_sigma)
 
 
@@ -177,7 +192,11 @@ class _EpsilonGap:
     _TINY = 1e-300
 
     def __init__(
-        self, template: Accountant, mechanism: dict[str, Any], target_epsilon: float, target_delta: float
+        self,
+        template: Accountant,
+        mechanism: dict[str, Any],
+        target_epsilon: float,
+        target_delta: float,
     ) -> None:
         self.template = template
         self.mechanism = mechanism
@@ -195,9 +214,15 @@ class _EpsilonGap:
         if log_sigma not in self.values:
             epsilon = self.epsilon(_sigma(log_sigma))
             # Clamp so that epsilon = 0 or inf stays usable by the root finder.
-            value = math.log(min(max(epsilon, self._TINY), 1 / self._TINY)) - math.log(self.target_epsilon)
+            value = math.log(min(max(epsilon, self._TINY), 1 / self._TINY)) - math.log(
+                self.target_epsilon
+            )
             # The sign must agree with the exact comparison, which log rounding might not.
-            value = min(value, 0.0) if epsilon <= self.target_epsilon else max(value, self._TINY)
+            value = (
+                min(value, 0.0)
+                if epsilon <= self.target_epsilon
+                else max(value, self._TINY)
+            )
             self.values[log_sigma] = value
             self.epsilons[log_sigma] = epsilon
         return self.values[log_sigma]
@@ -225,21 +250,29 @@ def _resolve_accountant(accountant: str | Accountant) -> Accountant:
     )
 
 
-def _initial_guess(target_epsilon: float, target_delta: float, sample_rate: float, participations: int) -> float:
+def _initial_guess(
+    target_epsilon: float, target_delta: float, sample_rate: float, participations: int
+) -> float:
     """A starting point only: sigma for a full-batch Gaussian composed `participations` times,
     scaled by q (the small-q, many-step regime). Never trusted, only evaluated."""
-    full_batch = dp_accounting.get_sigma_gaussian(target_epsilon, target_delta) * math.sqrt(max(participations, 1))
+    full_batch = dp_accounting.get_sigma_gaussian(
+        target_epsilon, target_delta
+    ) * math.sqrt(max(participations, 1))
     guess = min(max(sample_rate * full_batch, 0.6), full_batch)
     return min(max(guess, SIGMA_MIN), SIGMA_MAX)
 
 
-def _coarse_grids(template: Accountant, target_epsilon: float, participations: int) -> list[float]:
+def _coarse_grids(
+    template: Accountant, target_epsilon: float, participations: int
+) -> list[float]:
     """Coarser PLD grid steps to search before touching `template`; none for other accountants."""
     if not isinstance(template, PLDAccountant):
         return []
     finest = template.value_discretization_interval
     scale = target_epsilon / max(participations, 1)
-    medium = min(max(_MEDIUM_GRID_RATIO * scale, _MIN_GRID_SPEEDUP * finest), _MEDIUM_GRID_MAX)
+    medium = min(
+        max(_MEDIUM_GRID_RATIO * scale, _MIN_GRID_SPEEDUP * finest), _MEDIUM_GRID_MAX
+    )
     coarse = min(_COARSE_GRID_RATIO * scale, _COARSE_GRID_MAX)
     grids = []
     if coarse >= _MIN_GRID_SPEEDUP * max(medium, finest):
@@ -286,20 +319,32 @@ def _solve(
     return low, high, slope
 
 
-def _secant(value_low: float, value_high: float, low: float, high: float, fallback: float) -> float:
+def _secant(
+    value_low: float, value_high: float, low: float, high: float, fallback: float
+) -> float:
     secant = (value_high - value_low) / (high - low)
-    return min(max(secant, -50.0), -0.05) if math.isfinite(secant) and secant < 0 else fallback
+    return (
+        min(max(secant, -50.0), -0.05)
+        if math.isfinite(secant) and secant < 0
+        else fallback
+    )
 
 
-def _refine(gap: _EpsilonGap, log_sigma: float, slope: float, accept: float) -> tuple[float, float]:
+def _refine(
+    gap: _EpsilonGap, log_sigma: float, slope: float, accept: float
+) -> tuple[float, float]:
     """Secant steps on `gap` from a point near the root, aiming just above it.
 
     Returns (log sigma of the smallest passing point, slope) once a passing point is within
     about `accept` of the root (by the local slope, or by a failing point below it). Typically one
     or two evaluations. Falls back to `_solve` if no passing point turns up.
     """
-    best_ok: float | None = None  # log sigma of the smallest sigma seen with epsilon <= target
-    worst_bad: float | None = None  # log sigma of the largest sigma seen with epsilon > target
+    best_ok: float | None = (
+        None  # log sigma of the smallest sigma seen with epsilon <= target
+    )
+    worst_bad: float | None = (
+        None  # log sigma of the largest sigma seen with epsilon > target
+    )
     previous: tuple[float, float] | None = None
     for _ in range(_MAX_REFINE_STEPS):
         value = gap(log_sigma)
@@ -309,11 +354,17 @@ def _refine(gap: _EpsilonGap, log_sigma: float, slope: float, accept: float) -> 
         previous = (log_sigma, value)
         if value <= 0:
             best_ok = log_sigma if best_ok is None else min(best_ok, log_sigma)
-            if value / slope <= accept:  # value / slope: how far sigma could still shrink
+            if (
+                value / slope <= accept
+            ):  # value / slope: how far sigma could still shrink
                 break
         else:
             worst_bad = log_sigma if worst_bad is None else max(worst_bad, log_sigma)
-        if best_ok is not None and worst_bad is not None and best_ok - worst_bad <= accept:
+        if (
+            best_ok is not None
+            and worst_bad is not None
+            and best_ok - worst_bad <= accept
+        ):
             break
         next_log_sigma = log_sigma - value / slope + accept / 2
         if best_ok is not None and worst_bad is not None:
@@ -331,7 +382,11 @@ def _refine(gap: _EpsilonGap, log_sigma: float, slope: float, accept: float) -> 
 def _raise_bracket_failure(gap: _EpsilonGap, log_sigma: float) -> None:
     epsilon = gap.epsilons[log_sigma]
     target = gap.target_epsilon
-    settings = ", ".join(f"{key}={value!r}" for key, value in gap.template.settings().items() if key != "orders")
+    settings = ", ".join(
+        f"{key}={value!r}"
+        for key, value in gap.template.settings().items()
+        if key != "orders"
+    )
     accountant = f"{type(gap.template).__name__}({settings})"
     if gap.values[log_sigma] > 0:
         raise CalibrationError(

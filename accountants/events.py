@@ -47,7 +47,9 @@ def max_participations(steps: int, num_bands: int) -> int:
     return -(-steps // num_bands)
 
 
-def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
+def dpsgd_event(
+    noise_multiplier: float, sample_rate: float, steps: int
+) -> dp_accounting.DpEvent:
     """`steps` DP-SGD steps: SelfComposed(PoissonSampled(Gaussian(sigma), q), steps).
 
     Guarantee: the event describes exactly the release of `steps` sums of Poisson-sampled
@@ -71,7 +73,9 @@ def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_a
         # dp-accounting rejects SelfComposedDpEvent(count=0).
         return dp_accounting.NoOpDpEvent()
     return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)),
+        dp_accounting.PoissonSampledDpEvent(
+            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+        ),
         steps,
     )
 
@@ -95,7 +99,9 @@ def bandmf_event(
     num_bands < 1          ValueError naming num_bands
     =====================  ======================================================
     """
-    return dpsgd_event(noise_multiplier, sample_rate, max_participations(steps, num_bands))
+    return dpsgd_event(
+        noise_multiplier, sample_rate, max_participations(steps, num_bands)
+    )
 
 
 def truncated_bandmf_event(
@@ -114,19 +120,26 @@ def truncated_bandmf_event(
     sigma), ceil(steps / num_bands)), dp-accounting's analysis of truncated Poisson sampling
     (arXiv:2508.15089). Only dp-accounting's PLD accountant supports it (0.6.0).
 
-    ===============================  ============================================
-    case                             result
-    ===============================  ============================================
-    max_batch_size >= group_size     truncation never happens: plain subsampling
-    steps = 0                        NoOpDpEvent
-    group_size or max_batch_size < 1 ValueError naming the argument
-    dp-accounting < 0.6              NotImplementedError (event type missing)
-    ===============================  ============================================
+    ================================  ============================================
+    case                              result
+    ================================  ============================================
+    max_batch_size >= group_size      truncation never happens: plain subsampling
+    steps = 0                         NoOpDpEvent
+    group_size or max_batch_size < 1  ValueError naming the argument
+    dp-accounting < 0.6               NotImplementedError (event type missing)
+    ================================  ============================================
     """
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     sample_rate = check_sample_rate(sample_rate)
-    group_size = check_int("group_size", group_size, low=1, hint="It is the number of examples sampled from.")
-    max_batch_size = check_int("max_batch_size", max_batch_size, low=1, hint="It is the cap on the batch size.")
+    group_size = check_int(
+        "group_size",
+        group_size,
+        low=1,
+        hint="It is the number of examples sampled from.",
+    )
+    max_batch_size = check_int(
+        "max_batch_size", max_batch_size, low=1, hint="It is the cap on the batch size."
+    )
     participations = max_participations(steps, num_bands)
     if not truncation_supported():
         raise NotImplementedError(

@@ -34,7 +34,10 @@ class PLDAccountant(Accountant):
 
     name = "pld"
 
-    def __init__(self, value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL) -> None:
+    def __init__(
+        self,
+        value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    ) -> None:
         super().__init__()
         self._value_discretization_interval = check_real(
             "value_discretization_interval",

@@ -14,7 +14,9 @@ from accountants.base import Accountant
 __all__ = ["DEFAULT_RDP_ORDERS", "RDPAccountant"]
 
 #: dp-accounting's default orders: 1.1 ... 10.9 in steps of 0.1, 11 ... 63, then 128 ... 1024.
-DEFAULT_RDP_ORDERS: tuple[float, ...] = tuple(float(order) for order in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+DEFAULT_RDP_ORDERS: tuple[float, ...] = tuple(
+    float(order) for order in rdp_privacy_accountant.DEFAULT_RDP_ORDERS
+)
 
 
 class RDPAccountant(Accountant):
@@ -40,13 +42,23 @@ class RDPAccountant(Accountant):
         super().__init__()
         if orders is None:
             orders = DEFAULT_RDP_ORDERS
-        if isinstance(orders, str) or not isinstance(orders, Sequence) or len(orders) == 0:
+        if (
+            isinstance(orders, str)
+            or not isinstance(orders, Sequence)
+            or len(orders) == 0
+        ):
             raise ValueError(
                 f"orders must be a non-empty sequence of RDP orders > 1 (or None for the "
                 f"default); got {orders!r}."
             )
         self._orders = tuple(
-            check_real("orders", order, low=1.0, low_open=True, hint="RDP orders must exceed 1.")
+            check_real(
+                "orders",
+                order,
+                low=1.0,
+                low_open=True,
+                hint="RDP orders must exceed 1.",
+            )
             for order in orders
         )
 

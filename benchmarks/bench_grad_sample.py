@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 # Opacus installs a top-level package named `benchmarks`, so this folder is not imported as a
 # package: its scripts import `workloads` as a sibling module, and the repository is put on the path.
@@ -39,8 +39,7 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 import torch
 from torch import nn
-
-from workloads import (  # noqa: E402
+from workloads import (
     MEMORY_CHILD_ENV,
     WORKLOADS,
     Timing,
@@ -51,6 +50,7 @@ from workloads import (  # noqa: E402
     time_interleaved,
     use_all_cores,
 )
+
 from privacy_engine import GradSampleModule
 from privacy_engine.clip_factors import clip_factors
 from privacy_engine.noise import GaussianNoise
@@ -151,13 +151,13 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
 
 
 # ---------------------------------------------------------------------------------- table
-def _ratio_cell(value: Optional[float], reference: float, unit_format: str) -> str:
+def _ratio_cell(value: float | None, reference: float, unit_format: str) -> str:
     if value is None:
         return "-"
     return f"{unit_format.format(value)} ({value / reference:.2f}x)"
 
 
-def format_table(rows: List[dict], variants: List[str]) -> str:
+def format_table(rows: list[dict], variants: list[str]) -> str:
     private = [v for v in variants if v != "plain"]
     header = ["workload", "plain ms"] + [f"{v} ms (x plain)" for v in private] + ["peak mem (x plain): " + " / ".join(private)]
     lines = [header]
@@ -186,7 +186,7 @@ def _memory_child(workload_name: str, variant: str, steps: int) -> None:
     print(json.dumps({"peak_bytes": peak}))
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run; numbers are noisy)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -214,9 +214,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     for name in args.workloads:
         workload = get_workload(name)
         steps = {variant: make_step(workload, variant) for variant in variants}
-        timings: Dict[str, Timing] = time_interleaved(steps, repeats=repeats, warmup=warmup)
+        timings: dict[str, Timing] = time_interleaved(steps, repeats=repeats, warmup=warmup)
         del steps
-        memory: Dict[str, float] = {}
+        memory: dict[str, float] = {}
         if not args.no_memory:
             for variant in variants:
                 result = run_python_json(

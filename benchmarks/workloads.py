@@ -44,16 +44,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+CPU = torch.device("cpu")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 # Blocks of 64 KiB and more are mmap-ed (and unmapped when freed): RSS then follows live memory.
 MEMORY_CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -146,7 +147,7 @@ def _token_batch(batch_size: int, generator: torch.Generator) -> Batch:
     return tokens, torch.randint(0, 2, (batch_size,), generator=generator)
 
 
-WORKLOADS: Dict[str, Workload] = {
+WORKLOADS: dict[str, Workload] = {
     "mlp": Workload(
         name="mlp",
         description="MLP 784-512-512-10, batch 256",
@@ -199,7 +200,7 @@ def synchronize(device: torch.device) -> None:
 class Timing:
     """Wall times of one variant's steps, in seconds."""
 
-    samples: Tuple[float, ...]
+    samples: tuple[float, ...]
 
     @property
     def median_s(self) -> float:
@@ -223,8 +224,8 @@ def time_interleaved(
     *,
     repeats: int,
     warmup: int,
-    device: torch.device = torch.device("cpu"),
-) -> Dict[str, Timing]:
+    device: torch.device = CPU,
+) -> dict[str, Timing]:
     """Median wall time per step of each variant, the variants run round-robin.
 
     ``warmup`` rounds are run first and discarded, then ``repeats`` timed rounds. Each step is
@@ -235,7 +236,7 @@ def time_interleaved(
     for _ in range(warmup):
         for step in steps.values():
             step()
-    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             synchronize(device)
@@ -246,7 +247,7 @@ def time_interleaved(
     return {name: Timing(samples=tuple(times)) for name, times in samples.items()}
 
 
-def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = torch.device("cpu")) -> Timing:
+def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = CPU) -> Timing:
     """``time_interleaved`` for a single step function."""
     return time_interleaved({"step": step}, repeats=repeats, warmup=warmup, device=device)["step"]
 
@@ -270,7 +271,7 @@ def _reset_high_water_mark() -> bool:
 
 
 def peak_memory_increase(
-    step: Callable[[], None], *, steps: int = 3, warmup: int = 2, device: torch.device = torch.device("cpu")
+    step: Callable[[], None], *, steps: int = 3, warmup: int = 2, device: torch.device = CPU
 ) -> int:
     """Peak memory (bytes) a steady-state step needs above what is held between steps.
 
@@ -295,14 +296,14 @@ def peak_memory_increase(
     return 1024 * (_status_kib("VmHWM") - before_kib)
 
 
-def run_python_json(args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, timeout_s: float = 600) -> dict:
+def run_python_json(args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout_s: float = 600) -> dict:
     """Run ``python args...`` from the repository root in a fresh process; parse its last stdout line
     as JSON. Used to measure each variant's memory in a process of its own."""
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + child_env.get("PYTHONPATH", "")
     child_env.update(env or {})
     done = subprocess.run(
-        [sys.executable, *args], cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, *args], check=False, cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout_s
     )
     if done.returncode != 0:
         raise RuntimeError(f"child {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -311,9 +312,9 @@ def run_python_json(args: Sequence[str], *, env: Optional[Mapping[str, str]] = N
 
 __all__ = [
     "MEMORY_CHILD_ENV",
+    "WORKLOADS",
     "MeanPoolTransformer",
     "Timing",
-    "WORKLOADS",
     "Workload",
     "build_cnn",
     "build_mlp",

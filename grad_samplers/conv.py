@@ -114,7 +114,7 @@ def _pad_pairs(layer: _ConvLayer) -> list[tuple[int, int]]:
         for kernel, dilation in zip(layer.kernel_size, layer.dilation):
             total = dilation * (kernel - 1)
             # Same split as torch: the extra element of an odd total goes after.
-            pairs.append((total - total // 2, total // 2))
+            pairs.append((total // 2, total - total // 2))
         return pairs
     return [(pad, pad) for pad in layer.padding]
 

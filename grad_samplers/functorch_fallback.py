@@ -9,12 +9,30 @@ deliver the gradient of that expanded view, which is exactly the stack of per-ex
 whatever the module does (dropout, parameters used twice, children called or not).
 
 The expansion is a view (no copy of the weights); the batched matmuls it creates cost about what the
-ordinary forward costs.
+ordinary forward costs, provided every operation has a ``vmap`` batching rule. Two things keep it so:
+
+- ``nn.MultiheadAttention`` (anywhere in the subtree) is called with ``need_weights=True`` while
+  under ``vmap``: its ``need_weights=False`` path calls a fused attention kernel that has no batching
+  rule, so ``vmap`` would loop over the examples one by one (20-50x slower). The ``need_weights=True``
+  path computes the same function (bmm, softmax, dropout on the attention weights, bmm) in batched
+  operations; the weights the caller did not ask for are dropped. Its dropout is still drawn in this,
+  the real, forward. (One difference: an ``is_causal=True`` hint is then not used and the
+  ``attn_mask`` it describes is applied instead, which is what the hint promises to be equivalent to.)
+- arguments that are the same tensor stay the same tensor for each example, so identity checks in
+  a forward (``query is key`` selects one fused input projection in attention) still hold.
+
+Where the batch sits in each argument and output is read from the module when the claimed module is
+an ``nn.MultiheadAttention`` (its own ``batch_first``; ``key_padding_mask`` and the returned weights are
+batch-first; a 3-D ``attn_mask`` is ``(batch * heads, queries, keys)``); for any other module every
+tensor argument whose ``batch_dim`` has the batch size is split and every output is stacked at
+``batch_dim``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,7 +43,25 @@ PerSampleGradCallback = Callable[[nn.Parameter, torch.Tensor], None]
 _TENSOR = object()  # marks where a tensor output sits in the flattened output structure
 
 
-def _batch_size(args: Tuple, kwargs: Dict, batch_dim: int, module_path: str) -> int:
+# ---------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class _ArgumentLayout:
+    """The call's arguments as flat leaves, and for each leaf how it is split over the examples."""
+
+    leaves: list[object]
+    spec: object  # pytree spec of (args, kwargs)
+    split_dims: list[int | None]  # dim vmap splits (None: shared by every example)
+    keep_dims: list[int | None]  # dim where each example gets back a batch dim of size 1 (None: none)
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    arguments: _ArgumentLayout
+    output_dims: Callable[[int], int]  # output tensor leaf index -> its batch dim
+
+
+def _batch_size(args: tuple, kwargs: dict, batch_dim: int, module_path: str) -> int:
     leaves, _ = tree_flatten((args, kwargs))
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
@@ -36,23 +72,139 @@ def _batch_size(args: Tuple, kwargs: Dict, batch_dim: int, module_path: str) -> 
     )
 
 
-def _in_dims(tree, batch_dim: int, batch_size: int):
-    """Tensors whose batch dimension has the batch size are split per example; others are shared."""
-    leaves, spec = tree_flatten(tree)
+def _generic_plan(args: tuple, kwargs: dict, batch_dim: int, module_path: str) -> _CallPlan:
+    """Tensors whose ``batch_dim`` has the batch size are split per example; others are shared."""
+    batch_size = _batch_size(args, kwargs, batch_dim, module_path)
+    leaves, spec = tree_flatten((args, kwargs))
     dims = [
-        batch_dim if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and leaf.shape[batch_dim] == batch_size else None
+        batch_dim
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and leaf.shape[batch_dim] == batch_size
+        else None
         for leaf in leaves
     ]
-    return tree_unflatten(dims, spec)
+    return _CallPlan(_ArgumentLayout(leaves, spec, dims, list(dims), batch_size), lambda index: batch_dim)
 
 
+_ATTENTION_PARAMETERS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
+
+
+def _attention_plan(module: nn.MultiheadAttention, args: tuple, kwargs: dict, module_path: str) -> _CallPlan:
+    """Batch positions of ``nn.MultiheadAttention.forward``'s arguments and outputs."""
+    if len(args) > len(_ATTENTION_PARAMETERS):
+        raise TypeError(f"module {module_path!r}: MultiheadAttention.forward got {len(args)} positional arguments")
+    named = dict(zip(_ATTENTION_PARAMETERS, args))
+    for name, value in kwargs.items():
+        if name in named or name not in _ATTENTION_PARAMETERS:
+            raise TypeError(f"module {module_path!r}: unexpected or repeated MultiheadAttention argument {name!r}")
+        named[name] = value
+    query = named.get("query")
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(
+            f"module {module_path!r} (MultiheadAttention): per-sample gradients need a batched query "
+            f"(3 dims); got {shape}. Add the batch dimension."
+        )
+    sequence_dim = 0 if module.batch_first else 1
+    batch_size = query.shape[sequence_dim]
+    split: dict[str, int | None] = {"query": sequence_dim, "key": sequence_dim, "value": sequence_dim}
+    keep: dict[str, int | None] = dict(split)
+    mask = named.get("key_padding_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # (batch, keys) whatever batch_first says
+        split["key_padding_mask"] = keep["key_padding_mask"] = 0
+    mask = named.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+        # (batch * heads, queries, keys): each example gets its (heads, queries, keys) block, which is
+        # what the module expects for a batch of one.
+        if mask.shape[0] != batch_size * module.num_heads:
+            raise ValueError(
+                f"module {module_path!r}: a 3-D attn_mask must have batch * num_heads = "
+                f"{batch_size * module.num_heads} rows; got {mask.shape[0]}"
+            )
+        named["attn_mask"] = mask.reshape(batch_size, module.num_heads, *mask.shape[1:])
+        split["attn_mask"], keep["attn_mask"] = 0, None
+    names = list(named)
+    leaves = [named[name] for name in names]
+    _, spec = tree_flatten(((), {name: 0 for name in names}))
+    split_dims = [split.get(name) if isinstance(named[name], torch.Tensor) else None for name in names]
+    keep_dims = [keep.get(name) if isinstance(named[name], torch.Tensor) else None for name in names]
+    # Output 0 (attention output) is laid out like the query; output 1 (weights) is batch-first.
+    return _CallPlan(
+        _ArgumentLayout(leaves, spec, split_dims, keep_dims, batch_size),
+        lambda index: sequence_dim if index == 0 else 0,
+    )
+
+
+def _call_plan(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int, module_path: str) -> _CallPlan:
+    if type(module) is nn.MultiheadAttention:
+        return _attention_plan(module, args, kwargs, module_path)
+    return _generic_plan(args, kwargs, batch_dim, module_path)
+
+
+# ---------------------------------------------------------------------------------- attention
+def _attention_argument(args: tuple, kwargs: dict, name: str, default):
+    position = _ATTENTION_PARAMETERS.index(name)
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def _with_attention_argument(args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
+    position = _ATTENTION_PARAMETERS.index(name)
+    if len(args) > position:
+        return args[:position] + (value,) + args[position + 1 :], kwargs
+    return args, {**kwargs, name: value}
+
+
+@contextlib.contextmanager
+def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
+    """While active, every ``nn.MultiheadAttention`` in ``module``'s subtree computes its weights
+    explicitly (``need_weights=True``) and drops them again if the caller did not ask for them."""
+    attentions = [m for m in module.modules() if type(m) is nn.MultiheadAttention]
+    if not attentions:
+        yield
+        return
+    asked: list[bool] = []  # a stack: attention modules may be called inside one another
+
+    def force_weights(layer, args, kwargs):
+        asked.append(bool(_attention_argument(args, kwargs, "need_weights", True)))
+        args, kwargs = _with_attention_argument(args, kwargs, "need_weights", True)
+        if not asked[-1]:  # head-averaged weights: the smallest to compute and drop
+            args, kwargs = _with_attention_argument(args, kwargs, "average_attn_weights", True)
+        return args, kwargs
+
+    def drop_weights(layer, args, kwargs, output):
+        if not asked.pop():
+            return output[0], None
+        return output
+
+    handles = []
+    try:
+        for attention in attentions:
+            # Ours run last before forward and first after it: the user's hooks see the call and
+            # the result as the caller made and expects them.
+            handles.append(attention.register_forward_pre_hook(force_weights, with_kwargs=True))
+            handles.append(attention.register_forward_hook(drop_weights, with_kwargs=True, prepend=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------------------------- main entry
 def per_sample_forward(
     module: nn.Module,
     original_forward: Callable,
-    args: Tuple,
-    kwargs: Dict,
+    args: tuple,
+    kwargs: dict,
     *,
-    params: Dict[str, nn.Parameter],
+    params: dict[str, nn.Parameter],
     batch_dim: int,
     module_path: str,
     on_per_sample_grad: PerSampleGradCallback,
@@ -65,40 +217,75 @@ def per_sample_forward(
     example's copy of the parameter (no loss-reduction scaling applied). ``param.grad`` still
     receives the ordinary gradient (the sum over examples).
 
-    Assumes every tensor output carries the batch at ``batch_dim``.
+    Guarantee: the output equals the module's own forward on the batch (up to float rounding,
+    with random operations drawn independently per example), and ``grads[i]`` is the exact
+    gradient of the loss with respect to example ``i``'s parameters, so ``grads.sum(0)`` is the
+    ordinary gradient.
+
+    ==========================================  ==============================================
+    case                                        behaviour
+    ==========================================  ==============================================
+    argument without the batch size at its dim  shared by every example (not split)
+    same tensor passed twice                    the same tensor for each example (``is`` holds)
+    MultiheadAttention (root or inside)         run on its batched ``need_weights=True`` path
+    MultiheadAttention, batch_first=False       batch read from the module: dim 1 of q/k/v and
+                                                of the output, dim 0 of key_padding_mask and
+                                                of the weights
+    MultiheadAttention, 3-D attn_mask           split as (batch, heads, queries, keys)
+    MultiheadAttention, unbatched query         ValueError
+    no tensor with a batch dimension            ValueError
+    ==========================================  ==============================================
     """
-    batch_size = _batch_size(args, kwargs, batch_dim, module_path)
-    expanded: Dict[str, torch.Tensor] = {}
+    plan = _call_plan(module, args, kwargs, batch_dim, module_path)
+    layout = plan.arguments
+    batch_size = layout.batch_size
+    expanded: dict[str, torch.Tensor] = {}
     for name, param in params.items():
         copies = param.unsqueeze(0).expand(batch_size, *param.shape)
         copies.register_hook(lambda grads, param=param: on_per_sample_grad(param, grads))
         expanded[name] = copies
 
-    output_spec: List = []
+    # One vmap input per distinct (tensor, split dim, keep dim); each leaf points at its input.
+    inputs: list[object] = []
+    input_split_dims: list[int | None] = []
+    input_keep_dims: list[int | None] = []
+    input_of_leaf: list[int] = []
+    seen: dict[tuple[int, int | None, int | None], int] = {}
+    for leaf, split_dim, keep_dim in zip(layout.leaves, layout.split_dims, layout.keep_dims):
+        key = (id(leaf), split_dim, keep_dim)
+        if isinstance(leaf, torch.Tensor) and key in seen:
+            input_of_leaf.append(seen[key])
+            continue
+        seen[key] = len(inputs)
+        input_of_leaf.append(len(inputs))
+        inputs.append(leaf)
+        input_split_dims.append(split_dim)
+        input_keep_dims.append(keep_dim)
 
-    def one_example(example_params, example_args, example_kwargs):
-        # Each example is given back a batch dimension of size 1: many modules require one.
-        example_args, example_kwargs = _unsqueeze_batched((example_args, example_kwargs), in_dims, batch_dim)
+    output_spec: list = []
+
+    def one_example(example_params, example_inputs):
+        # Each example is given back a batch dimension of size 1 where the module expects one.
+        restored = [
+            value.unsqueeze(keep_dim) if keep_dim is not None else value
+            for value, keep_dim in zip(example_inputs, input_keep_dims)
+        ]
+        example_args, example_kwargs = tree_unflatten([restored[i] for i in input_of_leaf], layout.spec)
         output = functional_call(module, example_params, example_args, example_kwargs)
         leaves, spec = tree_flatten(output)
         output_spec[:] = [spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]]
-        return tuple(leaf.squeeze(batch_dim) for leaf in leaves if isinstance(leaf, torch.Tensor))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        output_dims[:] = [plan.output_dims(index) for index in range(len(tensors))]
+        return tuple(tensor.squeeze(dim) for tensor, dim in zip(tensors, output_dims))
 
-    in_dims = (_in_dims(args, batch_dim, batch_size), _in_dims(kwargs, batch_dim, batch_size))
-    batched = vmap(
-        one_example,
-        in_dims=(0, in_dims[0], in_dims[1]),
-        out_dims=batch_dim,
-        randomness="different",
-    )
-    tensor_outputs = iter(batched(expanded, args, kwargs))
+    output_dims: list[int] = []
+    batched = vmap(one_example, in_dims=(0, input_split_dims), out_dims=0, randomness="different")
+    with _attention_through_batched_ops(module):
+        stacked = batched(expanded, inputs)
+    tensor_outputs = iter(tensor.movedim(0, dim) if dim else tensor for tensor, dim in zip(stacked, output_dims))
     spec, leaves = output_spec
     return tree_unflatten([next(tensor_outputs) if leaf is _TENSOR else leaf for leaf in leaves], spec)
 
 
-def _unsqueeze_batched(tree, in_dims, batch_dim: int):
-    leaves, spec = tree_flatten(tree)
-    dims, _ = tree_flatten(in_dims)
-    return tree_unflatten(
-        [leaf.unsqueeze(batch_dim) if dim is not None else leaf for leaf, dim in zip(leaves, dims)], spec
-    )
+__all__ = ["PerSampleGradCallback", "per_sample_forward"]
+

@@ -13,21 +13,31 @@ from grad_samplers.registry import register_grad_sampler
 
 @register_grad_sampler(nn.Linear)
 def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    # Imported here, not at the top: the top of this file belongs to the fast-clipping code.
+    from grad_samplers._memory import empty_per_sample
+
     inputs = activations[0]
     batch_size = backprops.shape[0]
     per_sample: Dict[nn.Parameter, torch.Tensor] = {}
-    if inputs.dim() == 2:
-        # One row per example: a batched outer product, written directly in its final layout.
-        if layer.weight.requires_grad:
-            per_sample[layer.weight] = backprops.unsqueeze(2) * inputs.unsqueeze(1)
-        if layer.bias is not None and layer.bias.requires_grad:
-            per_sample[layer.bias] = backprops
-        return per_sample
-    grads = backprops.reshape(batch_size, -1, backprops.shape[-1])
+    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
     if layer.weight.requires_grad:
-        per_sample[layer.weight] = torch.bmm(grads.transpose(1, 2), inputs.reshape(batch_size, -1, inputs.shape[-1]))
+        # The (batch, out, in) result is written once, straight into its final (huge-page backed)
+        # buffer: at MLP sizes the cost is memory traffic and page faults, not arithmetic.
+        weight_grads = empty_per_sample((batch_size, *layer.weight.shape), dtype=dtype, device=backprops.device)
+        if inputs.dim() == 2:
+            # One position per example: a broadcast multiply (one product per entry) writes the
+            # outer products faster than bmm with an inner dimension of 1, and rounds identically.
+            torch.mul(backprops.unsqueeze(2), inputs.unsqueeze(1), out=weight_grads)
+        else:
+            grads = backprops.to(dtype).reshape(batch_size, -1, backprops.shape[-1])
+            sequences = inputs.to(dtype).reshape(batch_size, -1, inputs.shape[-1])
+            torch.bmm(grads.transpose(1, 2), sequences, out=weight_grads)
+        per_sample[layer.weight] = weight_grads
     if layer.bias is not None and layer.bias.requires_grad:
-        per_sample[layer.bias] = grads.sum(dim=1)
+        if backprops.dim() == 2:
+            per_sample[layer.bias] = backprops
+        else:
+            per_sample[layer.bias] = backprops.reshape(batch_size, -1, backprops.shape[-1]).sum(dim=1)
     return per_sample
 
 
@@ -35,6 +45,8 @@ def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -
 # Fast clipping: per-example squared norms and per-example-weighted sums without per-sample gradients.
 # An example's weight gradient is G^T A, with A its inputs (positions x in_features) and G its output
 # gradient (positions x out_features); its bias gradient is G summed over positions.
+import math
+
 from grad_samplers.registry import register_norm_sampler, register_weighted_sum_sampler
 
 # The direct form materialises G^T A for a block of examples at a time; this caps the block (elements).
@@ -70,9 +82,9 @@ def _linear_operands(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[tor
             f"Add the batch dimension (input.unsqueeze(0) for a single example)."
         )
     dtype = torch.promote_types(inputs.dtype, backprops.dtype)
-    batch_size = backprops.shape[0]
-    sequences = inputs.to(dtype).reshape(batch_size, -1, inputs.shape[-1])
-    grads = backprops.to(dtype).reshape(batch_size, -1, backprops.shape[-1])
+    batch_size, num_positions = backprops.shape[0], math.prod(backprops.shape[1:-1])
+    sequences = inputs.to(dtype).reshape(batch_size, num_positions, inputs.shape[-1])
+    grads = backprops.to(dtype).reshape(batch_size, num_positions, backprops.shape[-1])
     return sequences, grads
 
 

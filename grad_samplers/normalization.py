@@ -37,7 +37,7 @@ def _normalized_input(layer: _NormLayer, inputs: torch.Tensor) -> torch.Tensor:
             )
         if isinstance(layer, nn.LayerNorm):
             return F.layer_norm(inputs, layer.normalized_shape, None, None, layer.eps)
-        return F.rms_norm(inputs, layer.normalized_shape, None, None)
+        return F.rms_norm(inputs, layer.normalized_shape, None, layer.eps)
     if inputs.dim() < 2 or (isinstance(layer, _InstanceNorm) and inputs.dim() == layer._get_no_batch_dim()):
         raise ValueError(
             f"{type(layer).__name__} per-sample gradients need a batched input (batch, channels, ...); got "
@@ -84,7 +84,9 @@ def _inputs_and_grads(activations, backprops: torch.Tensor):
 
 
 @register_grad_sampler(*_NORM_TYPES)
-def normalization_grad_sample(layer: _NormLayer, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+def normalization_grad_sample(
+    layer: _NormLayer, activations, backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
     """Exact per-sample gradients of the affine weight and bias, each ``(B, *param.shape)``.
 
     Guarantee: ``out[p][i]`` is the gradient of example ``i``'s loss with respect to ``p``; the
@@ -111,7 +113,9 @@ def normalization_grad_sample(layer: _NormLayer, activations, backprops: torch.T
 
 
 @register_norm_sampler(*_NORM_TYPES)
-def normalization_norm_sample(layer: _NormLayer, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+def normalization_norm_sample(
+    layer: _NormLayer, activations, backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
     """Per-example squared L2 norms ``(B,)`` of the affine weight and bias gradients.
 
     Guarantee: ``out[p][i] == ||normalization_grad_sample(...)[p][i]||^2``. The per-sample gradients are

@@ -409,6 +409,8 @@ class PerSampleGradientClipper:
                 grads = grads.detach()
                 if self.config.nan_safe:
                     grads = torch.nan_to_num(grads, nan=0.0, posinf=0.0, neginf=0.0)
+                    # Drop the raw copy now: holding both would double the per-sample memory.
+                    param.grad_sample = grads
                 grads_by_index[index] = grads
             if group_ids is not None:
                 grads_by_index, padding_mask = self._sum_per_group(grads_by_index, group_ids, padding_mask)
@@ -426,7 +428,7 @@ class PerSampleGradientClipper:
                     # already zeroed every non-finite entry, and 0 * finite = 0.)
                     grads = torch.where(_expand_rows(column > 0, grads), grads, torch.zeros((), dtype=grads.dtype, device=grads.device))
                 clipped_sums[self.params[index]] = torch.tensordot(column.to(grads.dtype), grads, dims=1)
-            self._accumulate(clipped_sums, norms, padding_mask)
+            self._accumulate(clipped_sums, norms, padding_mask, owned=True)
         for param in self.params:
             if getattr(param, "grad_sample", None) is not None:
                 param.grad_sample = None
@@ -560,12 +562,18 @@ class PerSampleGradientClipper:
         clipped_sums: Mapping[nn.Parameter, torch.Tensor],
         norms: torch.Tensor,
         padding_mask: torch.Tensor | None,
+        *,
+        owned: bool = False,
     ) -> None:
+        """``owned``: the sums are fresh tensors nobody else holds, so the first one is kept as is."""
         for param, total in clipped_sums.items():
             index = self._index_of[id(param)]
             total = total.detach().to(dtype=param.dtype, device=param.device)
             previous = self._accumulated.get(index)
-            self._accumulated[index] = total.clone() if previous is None else previous + total
+            if previous is None:
+                self._accumulated[index] = total if owned else total.clone()
+            else:
+                previous.add_(total)
         self._record_stats(norms, padding_mask)
 
     def _record_stats(self, norms: torch.Tensor, padding_mask: torch.Tensor | None) -> None:

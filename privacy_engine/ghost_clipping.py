@@ -277,6 +277,7 @@ class GhostClippingModule(GradSampleModule):
         self._pass: _BackwardPass | None = None
         self._clipper = None
         self._padding_mask: torch.Tensor | None = None
+        self._padding_mask_source: Callable[[], torch.Tensor | None] | None = None
         self.last_per_sample_norms: torch.Tensor | None = None
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
         # The base class's first-backward usage check compares .grad with per-sample sums; here .grad
@@ -289,8 +290,12 @@ class GhostClippingModule(GradSampleModule):
             self.attach_clipper(clipper)
 
     # ------------------------------------------------------------------ configuration
-    def attach_clipper(self, clipper) -> None:
+    def attach_clipper(self, clipper, *, padding_mask_source: Callable[[], torch.Tensor | None] | None = None) -> None:
         """Send each backward pass's clipped sums to ``clipper`` (a ``PerSampleGradientClipper``).
+
+        ``padding_mask_source``: called at the end of each backward pass for the padding mask of its
+        batch (e.g. ``lambda: dp_optimizer.padding_mask_source()``, which ``VirtualSteps`` redirects to
+        the micro-batch's slice); ``set_padding_mask`` overrides it for one pass.
 
         Raises ``ValueError`` (changing nothing) if a trainable parameter of the module is not among
         the clipper's parameters: its gradient would be silently dropped.
@@ -305,7 +310,10 @@ class GhostClippingModule(GradSampleModule):
                 f"the clipper does not hold the trainable parameters {missing}; build it over every trainable "
                 f"parameter of the module (or freeze those with requires_grad_(False))"
             )
+        if padding_mask_source is not None and not callable(padding_mask_source):
+            raise TypeError("padding_mask_source must be a callable returning a bool tensor or None")
         self._clipper = clipper
+        self._padding_mask_source = padding_mask_source
 
     @property
     def clipper(self):
@@ -646,6 +654,8 @@ class GhostClippingModule(GradSampleModule):
         padding_mask, self._padding_mask = self._padding_mask, None
         if state is None or state.batch is None:
             return
+        if padding_mask is None and self._padding_mask_source is not None:
+            padding_mask = self._padding_mask_source()
         clipper = self._clipper
         batch_size = state.batch[1]
         if padding_mask is not None and tuple(padding_mask.shape) != (batch_size,):

@@ -128,8 +128,10 @@ class NoiseMechanism(abc.ABC):
         dtype and device, but the list (shapes, dtypes, devices, order) must be the same at
         every step, because the mechanism's state is laid out over it.
 
-        Guarantee: every call adds fresh noise (``noise_std > 0``) to every entry of every
-        tensor; noise is never skipped, rescaled or reused, and the step index always advances.
+        Guarantee: when ``noise_std > 0``, every call draws fresh Gaussian values for every
+        entry of every tensor and adds exactly this step's noise of the mechanism (nothing is
+        skipped, reused or scaled beyond what the mechanism defines); the step index advances
+        by one per successful call, and a call rejected by validation changes nothing.
 
         =========================  ==============================================
         case                       result

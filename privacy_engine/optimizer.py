@@ -181,6 +181,10 @@ class DPOptimizer(Optimizer):
         self._skip_next_step = False
         self._in_logical_step = False  # a skipped step left clipped sums for the next one
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Optimizer.__getstate__ keeps only defaults/state/param_groups; a copy needs everything.
+        return dict(self.__dict__)
+
     # ------------------------------------------------------------------ the wrapped optimizer
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -260,7 +264,14 @@ class DPOptimizer(Optimizer):
         self._in_logical_step = False
         self.last_clipping_stats = self.clipper.pre_step()
         grads = [p.grad for p in self.clipper.params]
-        self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity)
+        try:
+            self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity)
+        except BaseException:
+            # The .grad tensors hold the un-noised clipped sum: never leave it where a later
+            # optimizer step could use it.
+            for param in self.clipper.params:
+                param.grad = None
+            raise
         self.steps_taken += 1
         if self.accountant is not None:
             # Every released step is recorded, an empty batch's too: its noise was drawn for a

@@ -16,7 +16,6 @@ parameters updated once per logical batch, exactly as if the whole batch had fit
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Iterator, Mapping
@@ -134,11 +133,6 @@ class VirtualSteps:
     def __len__(self) -> int:
         """Logical batches in one pass (the number of physical ones depends on the sampling)."""
         return len(self.data_loader)
-
-    @property
-    def expected_physical_batches(self) -> float:
-        expected = getattr(self.data_loader, "expected_batch_size", None) or self.data_loader.batch_size
-        return len(self.data_loader) * max(1, math.ceil(expected / self.max_physical_batch_size))
 
     def __iter__(self) -> Iterator[Any]:
         if not self._entered:

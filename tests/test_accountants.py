@@ -46,11 +46,14 @@ def ours(kind: str) -> Accountant:
 def subsampled_gaussian(sigma: float, q: float, count: int) -> dp_accounting.DpEvent:
     """Reference event, built by hand with dp-accounting's classes."""
     return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
+        count,
     )
 
 
-def reference_epsilon(kind: str, event: dp_accounting.DpEvent, delta: float = DELTA) -> float:
+def reference_epsilon(
+    kind: str, event: dp_accounting.DpEvent, delta: float = DELTA
+) -> float:
     return reference_accountant(kind).compose(event).get_epsilon(delta)
 
 
@@ -76,7 +79,11 @@ def test_dpsgd_epsilon_equals_dp_accounting(kind, sigma, q, steps, delta):
 def test_default_pld_grid_equals_dp_accounting_default():
     accountant = PLDAccountant()
     accountant.step(noise_multiplier=1.3, sample_rate=0.05, num_steps=40)
-    expected = dp_accounting.pld.PLDAccountant().compose(subsampled_gaussian(1.3, 0.05, 40)).get_epsilon(DELTA)
+    expected = (
+        dp_accounting.pld.PLDAccountant()
+        .compose(subsampled_gaussian(1.3, 0.05, 40))
+        .get_epsilon(DELTA)
+    )
     assert accountant.get_epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
 
 
@@ -85,21 +92,29 @@ def test_rdp_orders_are_passed_to_dp_accounting():
     accountant = RDPAccountant(orders=orders)
     accountant.step(noise_multiplier=1.1, sample_rate=0.02, num_steps=100)
     event = subsampled_gaussian(1.1, 0.02, 100)
-    expected = dp_accounting.rdp.RdpAccountant(orders=orders).compose(event).get_epsilon(DELTA)
+    expected = (
+        dp_accounting.rdp.RdpAccountant(orders=orders).compose(event).get_epsilon(DELTA)
+    )
     default = reference_epsilon("rdp", event)
     assert accountant.get_epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
     assert expected != pytest.approx(default, rel=1e-6)  # the orders really matter here
 
 
 def test_rdp_default_orders_are_dp_accountings():
-    assert list(RDPAccountant().orders) == [float(o) for o in dp_accounting.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS]
+    assert list(RDPAccountant().orders) == [
+        float(o) for o in dp_accounting.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS
+    ]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_get_delta_equals_dp_accounting(kind):
     accountant = ours(kind)
     accountant.step(noise_multiplier=1.0, sample_rate=0.05, num_steps=50)
-    expected = reference_accountant(kind).compose(subsampled_gaussian(1.0, 0.05, 50)).get_delta(2.0)
+    expected = (
+        reference_accountant(kind)
+        .compose(subsampled_gaussian(1.0, 0.05, 50))
+        .get_delta(2.0)
+    )
     assert accountant.get_delta(2.0) == pytest.approx(expected, rel=1e-12)
 
 
@@ -110,7 +125,9 @@ def test_get_delta_equals_dp_accounting(kind):
 def test_bandmf_composes_ceil_steps_over_bands(kind, steps, num_bands, sigma):
     q = 0.05
     accountant = ours(kind)
-    accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps, num_bands=num_bands)
+    accountant.step(
+        noise_multiplier=sigma, sample_rate=q, num_steps=steps, num_bands=num_bands
+    )
     participations = math.ceil(steps / num_bands)
     expected = reference_epsilon(kind, subsampled_gaussian(sigma, q, participations))
     assert accountant.get_epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
@@ -135,7 +152,9 @@ def test_changed_mechanism_composes_each_entrys_own_ceil(kind):
         [subsampled_gaussian(1.0, 0.05, 2), subsampled_gaussian(1.5, 0.05, 1)]
     )
     assert accountant.event() == expected_event
-    assert accountant.get_epsilon(DELTA) == pytest.approx(reference_epsilon(kind, expected_event), rel=1e-12)
+    assert accountant.get_epsilon(DELTA) == pytest.approx(
+        reference_epsilon(kind, expected_event), rel=1e-12
+    )
 
 
 # ----------------------------------------------------------------------------- truncated
@@ -146,7 +165,9 @@ def test_changed_mechanism_composes_each_entrys_own_ceil(kind):
     group_size=st.integers(50, 1000),
     cap_fraction=st.floats(0.5, 2.0),
 )
-def test_truncated_epsilon_equals_dp_accounting(steps, num_bands, group_size, cap_fraction):
+def test_truncated_epsilon_equals_dp_accounting(
+    steps, num_bands, group_size, cap_fraction
+):
     q, sigma = 0.05, 1.2
     max_batch_size = max(1, round(cap_fraction * q * group_size))
     # A coarse grid: the truncated PLD is a mixture of two PLDs, several times dearer to build.
@@ -170,14 +191,24 @@ def test_truncated_epsilon_equals_dp_accounting(steps, num_bands, group_size, ca
         math.ceil(steps / num_bands),
     )
     assert accountant.event() == event
-    expected = dp_accounting.pld.PLDAccountant(value_discretization_interval=grid).compose(event).get_epsilon(DELTA)
+    expected = (
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=grid)
+        .compose(event)
+        .get_epsilon(DELTA)
+    )
     assert accountant.get_epsilon(DELTA) == pytest.approx(expected, rel=1e-12)
 
 
 def test_truncation_costs_privacy_when_it_binds():
     untruncated, truncated = fast_pld(), fast_pld()
     untruncated.step(noise_multiplier=1.0, sample_rate=0.05, num_steps=30)
-    truncated.step(noise_multiplier=1.0, sample_rate=0.05, num_steps=30, group_size=400, max_batch_size=15)
+    truncated.step(
+        noise_multiplier=1.0,
+        sample_rate=0.05,
+        num_steps=30,
+        group_size=400,
+        max_batch_size=15,
+    )
     assert truncated.get_epsilon(DELTA) > untruncated.get_epsilon(DELTA)
 
 
@@ -185,7 +216,9 @@ def test_rdp_refuses_truncation_naming_pld_and_records_nothing():
     accountant = RDPAccountant()
     accountant.step(noise_multiplier=1.0, sample_rate=0.01)
     with pytest.raises(NotImplementedError, match="PLDAccountant"):
-        accountant.step(noise_multiplier=1.0, sample_rate=0.01, group_size=1000, max_batch_size=20)
+        accountant.step(
+            noise_multiplier=1.0, sample_rate=0.01, group_size=1000, max_batch_size=20
+        )
     assert accountant.steps == 1
 
 
@@ -216,10 +249,18 @@ def test_history_entries_are_frozen_with_a_count():
 
 def test_numpy_scalars_are_normalised():
     accountant = RDPAccountant()
-    accountant.step(noise_multiplier=np.float32(1.5), sample_rate=np.float64(0.25), num_steps=np.int64(2))
+    accountant.step(
+        noise_multiplier=np.float32(1.5),
+        sample_rate=np.float64(0.25),
+        num_steps=np.int64(2),
+    )
     accountant.step(noise_multiplier=1.5, sample_rate=0.25, num_steps=1)
     (entry,) = accountant.history
-    assert entry.num_steps == 3 and type(entry.num_steps) is int and type(entry.noise_multiplier) is float
+    assert (
+        entry.num_steps == 3
+        and type(entry.num_steps) is int
+        and type(entry.noise_multiplier) is float
+    )
     json.dumps(accountant.state_dict())
 
 
@@ -249,23 +290,34 @@ def test_zero_noise_gives_infinite_epsilon(kind):
     accountant.step(noise_multiplier=2.0, sample_rate=0.01, num_steps=10)
     accountant.step(noise_multiplier=0.0, sample_rate=0.01)
     assert accountant.get_epsilon(DELTA) == math.inf
-    assert reference_epsilon(kind, accountant.event()) == math.inf  # dp-accounting agrees
+    assert (
+        reference_epsilon(kind, accountant.event()) == math.inf
+    )  # dp-accounting agrees
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_sample_rate_gives_zero_epsilon(kind):
     accountant = ours(kind)
     accountant.step(noise_multiplier=0.0, sample_rate=0.0, num_steps=10)
-    assert accountant.get_epsilon(DELTA) == 0.0 == reference_epsilon(kind, subsampled_gaussian(0.0, 0.0, 10))
+    assert (
+        accountant.get_epsilon(DELTA)
+        == 0.0
+        == reference_epsilon(kind, subsampled_gaussian(0.0, 0.0, 10))
+    )
 
 
 def test_builders_give_dp_accountings_structures():
     assert dpsgd_event(1.1, 0.01, 50) == subsampled_gaussian(1.1, 0.01, 50)
     assert bandmf_event(1.1, 0.01, 50, 4) == subsampled_gaussian(1.1, 0.01, 13)
     assert dpsgd_event(1.1, 0.01, 0) == dp_accounting.NoOpDpEvent()
-    assert truncated_bandmf_event(1.1, 0.01, 9, 2, 100, 5) == dp_accounting.SelfComposedDpEvent(
+    assert truncated_bandmf_event(
+        1.1, 0.01, 9, 2, 100, 5
+    ) == dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            dataset_size=100, sampling_probability=0.01, truncated_batch_size=5, noise_multiplier=1.1
+            dataset_size=100,
+            sampling_probability=0.01,
+            truncated_batch_size=5,
+            noise_multiplier=1.1,
         ),
         5,
     )
@@ -284,17 +336,29 @@ def test_state_dict_round_trip_through_json(make):
     accountant.step(noise_multiplier=1.1, sample_rate=0.02, num_steps=30)
     accountant.step(noise_multiplier=0.9, sample_rate=0.04, num_steps=9, num_bands=3)
     if isinstance(accountant, PLDAccountant):
-        accountant.step(noise_multiplier=1.3, sample_rate=0.04, num_steps=5, group_size=500, max_batch_size=25)
-    restored = type(accountant)()  # default settings: loading must restore the saved ones
+        accountant.step(
+            noise_multiplier=1.3,
+            sample_rate=0.04,
+            num_steps=5,
+            group_size=500,
+            max_batch_size=25,
+        )
+    restored = type(
+        accountant
+    )()  # default settings: loading must restore the saved ones
     restored.load_state_dict(json.loads(json.dumps(accountant.state_dict())))
     assert restored.history == accountant.history
     assert restored.settings() == accountant.settings()
     assert restored.get_epsilon(DELTA) == accountant.get_epsilon(DELTA)
     # Recording continues where it left off (merging into the last entry).
     for acc in (accountant, restored):
-        acc.step(noise_multiplier=acc.history[-1].noise_multiplier, sample_rate=acc.history[-1].sample_rate,
-                 num_bands=acc.history[-1].num_bands, group_size=acc.history[-1].group_size,
-                 max_batch_size=acc.history[-1].max_batch_size)
+        acc.step(
+            noise_multiplier=acc.history[-1].noise_multiplier,
+            sample_rate=acc.history[-1].sample_rate,
+            num_bands=acc.history[-1].num_bands,
+            group_size=acc.history[-1].group_size,
+            max_batch_size=acc.history[-1].max_batch_size,
+        )
     assert restored.history == accountant.history
 
 
@@ -312,10 +376,18 @@ def test_load_state_dict_of_other_kind_raises_and_changes_nothing():
 @pytest.mark.parametrize(
     "corrupt, error, name",
     [
-        (lambda d: d["history"][0].update(noise_multiplier=-1.0), ValueError, "noise_multiplier"),
+        (
+            lambda d: d["history"][0].update(noise_multiplier=-1.0),
+            ValueError,
+            "noise_multiplier",
+        ),
         (lambda d: d["history"][0].update(num_steps=0), ValueError, "num_steps"),
         (lambda d: d["history"][0].update(unknown=1), ValueError, "unknown"),
-        (lambda d: d["settings"].update(value_discretization_interval=0.0), ValueError, "value_discretization"),
+        (
+            lambda d: d["settings"].update(value_discretization_interval=0.0),
+            ValueError,
+            "value_discretization",
+        ),
         (lambda d: d.pop("history"), ValueError, "history"),
     ],
 )
@@ -352,9 +424,16 @@ def test_load_state_dict_validates_before_changing_anything(corrupt, error, name
     ],
 )
 @pytest.mark.parametrize("num_steps_default", [1, 0])
-def test_bad_step_input_raises_naming_the_argument(kwargs, error, name, num_steps_default):
+def test_bad_step_input_raises_naming_the_argument(
+    kwargs, error, name, num_steps_default
+):
     accountant = fast_pld()
-    arguments = {"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": num_steps_default, **kwargs}
+    arguments = {
+        "noise_multiplier": 1.0,
+        "sample_rate": 0.1,
+        "num_steps": num_steps_default,
+        **kwargs,
+    }
     with pytest.raises(error, match=name):
         accountant.step(**arguments)
     assert accountant.history == ()
@@ -371,13 +450,19 @@ def test_bad_delta_raises_naming_delta(delta):
 @pytest.mark.parametrize(
     "build, name",
     [
-        (lambda: PLDAccountant(value_discretization_interval=-1e-4), "value_discretization_interval"),
+        (
+            lambda: PLDAccountant(value_discretization_interval=-1e-4),
+            "value_discretization_interval",
+        ),
         (lambda: RDPAccountant(orders=[0.5, 2.0]), "orders"),
         (lambda: RDPAccountant(orders=[]), "orders"),
         (lambda: dpsgd_event(1.0, 2.0, 10), "sample_rate"),
         (lambda: bandmf_event(1.0, 0.1, 10, 0), "num_bands"),
         (lambda: truncated_bandmf_event(1.0, 0.1, 10, 1, None, 5), "group_size"),
-        (lambda: HistoryEntry(noise_multiplier=1.0, sample_rate=0.1, num_steps=0), "num_steps"),
+        (
+            lambda: HistoryEntry(noise_multiplier=1.0, sample_rate=0.1, num_steps=0),
+            "num_steps",
+        ),
     ],
 )
 def test_bad_constructor_and_builder_input_names_the_argument(build, name):
@@ -388,8 +473,15 @@ def test_bad_constructor_and_builder_input_names_the_argument(build, name):
 def test_make_accountant_by_name():
     assert isinstance(make_accountant("pld"), PLDAccountant)
     assert isinstance(make_accountant(" RDP "), RDPAccountant)
-    assert make_accountant("pld", value_discretization_interval=1e-3).value_discretization_interval == 1e-3
-    assert isinstance(make_accountant("rdp"), Accountant) and isinstance(make_accountant("pld"), Accountant)
+    assert (
+        make_accountant(
+            "pld", value_discretization_interval=1e-3
+        ).value_discretization_interval
+        == 1e-3
+    )
+    assert isinstance(make_accountant("rdp"), Accountant) and isinstance(
+        make_accountant("pld"), Accountant
+    )
 
 
 def test_make_accountant_bad_name_lists_choices():

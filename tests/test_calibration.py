@@ -28,15 +28,28 @@ def fast_pld() -> PLDAccountant:
     return PLDAccountant(value_discretization_interval=FAST_GRID)
 
 
-def reference_epsilon(make_dp_accountant, sigma, q, steps, *, num_bands=1, group_size=None, max_batch_size=None,
-                      delta=DELTA):
+def reference_epsilon(
+    make_dp_accountant,
+    sigma,
+    q,
+    steps,
+    *,
+    num_bands=1,
+    group_size=None,
+    max_batch_size=None,
+    delta=DELTA,
+):
     """dp-accounting's epsilon for the mechanism, with the event built by hand."""
     participations = math.ceil(steps / num_bands)
     if group_size is None:
-        inner = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+        inner = dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(sigma)
+        )
     else:
         inner = dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            dataset_size=group_size, sampling_probability=q, truncated_batch_size=max_batch_size,
+            dataset_size=group_size,
+            sampling_probability=q,
+            truncated_batch_size=max_batch_size,
             noise_multiplier=sigma,
         )
     event = dp_accounting.SelfComposedDpEvent(inner, participations)
@@ -52,15 +65,25 @@ CASES = [
     pytest.param(2.0, 0.02, 200, {}, id="dpsgd"),
     pytest.param(0.5, 0.1, 20, {}, id="dpsgd-small-eps"),
     pytest.param(6.0, 0.05, 120, {"num_bands": 4}, id="bandmf"),
-    pytest.param(2.0, 0.05, 40, {"num_bands": 2, "group_size": 600, "max_batch_size": 32}, id="truncated"),
+    pytest.param(
+        2.0,
+        0.05,
+        40,
+        {"num_bands": 2, "group_size": 600, "max_batch_size": 32},
+        id="truncated",
+    ),
 ]
 
 
 @pytest.mark.parametrize("target, q, steps, extra", CASES)
 def test_sigma_meets_target_and_is_tight(target, q, steps, extra):
-    sigma = calibrate_noise_multiplier(target, DELTA, q, steps, accountant=fast_pld(), **extra)
+    sigma = calibrate_noise_multiplier(
+        target, DELTA, q, steps, accountant=fast_pld(), **extra
+    )
     assert reference_epsilon(fast_pld_reference, sigma, q, steps, **extra) <= target
-    assert reference_epsilon(fast_pld_reference, 0.99 * sigma, q, steps, **extra) > target
+    assert (
+        reference_epsilon(fast_pld_reference, 0.99 * sigma, q, steps, **extra) > target
+    )
 
 
 def test_default_accountant_is_default_pld_and_target_is_met():
@@ -72,7 +95,10 @@ def test_default_accountant_is_default_pld_and_target_is_met():
     "accountant, make_reference",
     [
         (fast_pld, fast_pld_reference),
-        (lambda: RDPAccountant(FAST_ORDERS), lambda: dp_accounting.rdp.RdpAccountant(FAST_ORDERS)),
+        (
+            lambda: RDPAccountant(FAST_ORDERS),
+            lambda: dp_accounting.rdp.RdpAccountant(FAST_ORDERS),
+        ),
     ],
     ids=["pld", "rdp"],
 )
@@ -82,7 +108,10 @@ def test_agrees_with_dp_accounting_calibrate_dp_mechanism(accountant, make_refer
     theirs = dp_accounting.calibrate_dp_mechanism(
         make_reference,
         lambda sigma: dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+            dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(sigma)
+            ),
+            steps,
         ),
         target,
         DELTA,
@@ -103,7 +132,9 @@ def test_rdp_sigma_meets_target_and_is_tight(target, q, steps, delta):
         return dp_accounting.rdp.RdpAccountant(orders=FAST_ORDERS)
 
     try:
-        sigma = calibrate_noise_multiplier(target, delta, q, steps, accountant=RDPAccountant(FAST_ORDERS))
+        sigma = calibrate_noise_multiplier(
+            target, delta, q, steps, accountant=RDPAccountant(FAST_ORDERS)
+        )
     except CalibrationError as error:
         # Only a genuinely loose target may be refused: noise 0.1 must already meet it.
         assert not error.unreachable
@@ -114,7 +145,9 @@ def test_rdp_sigma_meets_target_and_is_tight(target, q, steps, delta):
 
 
 def test_bandmf_sigma_equals_dpsgd_sigma_for_ceil_steps_over_bands():
-    bandmf = calibrate_noise_multiplier(2.0, DELTA, 0.05, 50, num_bands=4, accountant=fast_pld())
+    bandmf = calibrate_noise_multiplier(
+        2.0, DELTA, 0.05, 50, num_bands=4, accountant=fast_pld()
+    )
     dpsgd = calibrate_noise_multiplier(2.0, DELTA, 0.05, 13, accountant=fast_pld())
     assert bandmf == dpsgd
 
@@ -137,7 +170,13 @@ def test_result_is_verified_even_when_the_search_heuristics_mislead(monkeypatch)
 
 @pytest.mark.parametrize("kwargs", [{"steps": 0}, {"sample_rate": 0.0}])
 def test_nothing_sampled_needs_no_noise(kwargs):
-    arguments = {"target_epsilon": 1.0, "target_delta": DELTA, "sample_rate": 0.1, "steps": 10, **kwargs}
+    arguments = {
+        "target_epsilon": 1.0,
+        "target_delta": DELTA,
+        "sample_rate": 0.1,
+        "steps": 10,
+        **kwargs,
+    }
     assert calibrate_noise_multiplier(**arguments) == 0.0
 
 
@@ -155,7 +194,9 @@ def test_too_loose_target_says_so():
 
 def test_rdp_with_truncation_names_pld():
     with pytest.raises(NotImplementedError, match="PLDAccountant"):
-        calibrate_noise_multiplier(1.0, DELTA, 0.01, 10, accountant="rdp", group_size=1000, max_batch_size=20)
+        calibrate_noise_multiplier(
+            1.0, DELTA, 0.01, 10, accountant="rdp", group_size=1000, max_batch_size=20
+        )
 
 
 def test_accountant_with_history_is_refused():
@@ -183,6 +224,12 @@ def test_accountant_with_history_is_refused():
     ],
 )
 def test_bad_input_raises_naming_the_argument(kwargs, error, name):
-    arguments = {"target_epsilon": 1.0, "target_delta": DELTA, "sample_rate": 0.01, "steps": 10, **kwargs}
+    arguments = {
+        "target_epsilon": 1.0,
+        "target_delta": DELTA,
+        "sample_rate": 0.01,
+        "steps": 10,
+        **kwargs,
+    }
     with pytest.raises(error, match=name):
         calibrate_noise_multiplier(**arguments)

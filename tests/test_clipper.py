@@ -196,7 +196,7 @@ def test_non_finite_entries_drop_the_example_when_not_nan_safe(bad):
     stats = clipper.pre_step()
     expected = reference_clipped_sum(samples, [range(4)], [1.0], padding=[False, True, False, False])
     assert_all_close(grads_of(params), expected)
-    assert stats.clipped_fraction == 1.0  # three over the bound, one dropped
+    assert stats.clipped_fraction == 0.75  # two over the bound, one dropped, one (scale 0.1) under
 
 
 def test_per_layer_not_nan_safe_drops_only_the_non_finite_group():

@@ -70,24 +70,8 @@ def attention_inputs(batch_first: bool, with_mask: bool, batch_size: int = 3):
     return (query, memory, memory), kwargs
 
 
-@pytest.mark.parametrize(
-    "batch_first, with_mask",
-    [
-        pytest.param(True, False, id="batch_first"),
-        pytest.param(True, True, id="batch_first-key_padding_mask"),
-        pytest.param(False, False, id="sequence_first"),
-        pytest.param(
-            False,
-            True,
-            id="sequence_first-key_padding_mask",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="functorch_fallback splits every input at one batch_dim: key_padding_mask is "
-                "(batch, keys) even when batch_first=False, so each example is handed the whole mask",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "key_padding_mask"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
 def test_multihead_attention_is_exact(batch_first, with_mask):
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first).to(DOUBLE)
@@ -108,21 +92,7 @@ def test_multihead_attention_is_exact(batch_first, with_mask):
     assert_matches_reference(attention, reference)
 
 
-@pytest.mark.parametrize(
-    "batch_first",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="functorch_fallback stacks every output at batch_dim: the attention weights, "
-                "(batch, queries, keys) even when batch_first=False, come back (1, batch, queries, keys)",
-            ),
-        ),
-    ],
-    ids=["batch_first", "sequence_first"],
-)
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
 def test_multihead_attention_weights_keep_their_layout(batch_first):
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first).to(DOUBLE)
@@ -133,6 +103,57 @@ def test_multihead_attention_weights_keep_their_layout(batch_first):
     assert weights.shape == expected_weights.shape
     torch.testing.assert_close(output, expected_output)
     torch.testing.assert_close(weights, expected_weights)
+
+
+class SequenceFirstAttentionBlock(nn.Module):
+    """A batch-first model holding a sequence-first attention (it transposes around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(EMBED, HEADS, batch_first=False)
+        self.head = nn.Linear(EMBED, 2)
+
+    def forward(self, x, key_padding_mask):
+        sequence_first = x.transpose(0, 1)
+        attended, _ = self.attention(sequence_first, sequence_first, sequence_first, key_padding_mask=key_padding_mask)
+        return self.head(attended.transpose(0, 1))
+
+
+def test_sequence_first_attention_inside_a_batch_first_model_is_exact():
+    torch.manual_seed(0)
+    model = SequenceFirstAttentionBlock().to(DOUBLE)
+    x, probe = torch.randn(3, KEYS, EMBED, dtype=DOUBLE), torch.randn(3, KEYS, 2, dtype=DOUBLE)
+    mask = torch.zeros(3, KEYS, dtype=torch.bool)
+    mask[1, -2:] = True
+    reference = per_example_reference(model, (x, mask), lambda out, i: probe_loss(out, probe[i : i + 1]))
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    probe_loss(wrapped(x, mask), probe).backward()
+    assert_matches_reference(model, reference)
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
+def test_transformer_encoder_layer_is_exact(batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(EMBED, HEADS, dim_feedforward=8, dropout=0.0, batch_first=batch_first)
+    layer = layer.to(DOUBLE)
+    batch_dim = 0 if batch_first else 1
+    source = torch.randn(3, KEYS, EMBED, dtype=DOUBLE)
+    if not batch_first:
+        source = source.transpose(0, 1).contiguous()
+    mask = torch.zeros(3, KEYS, dtype=torch.bool)
+    mask[2, -1] = True
+    probe = torch.randn_like(source)
+    reference = per_example_reference(
+        layer,
+        (source,),
+        lambda out, i: probe_loss(out, probe.narrow(batch_dim, i, 1)),
+        kwargs={"src_key_padding_mask": mask},
+        batch_dim=batch_dim,
+        kwarg_batch_dims={"src_key_padding_mask": 0},
+    )
+    wrapped = GradSampleModule(layer, batch_first=batch_first, loss_reduction="sum")
+    probe_loss(wrapped(source, src_key_padding_mask=mask), probe).backward()
+    assert_matches_reference(layer, reference)
 
 
 def test_multihead_attention_with_dropout_sums_to_the_real_gradient():
@@ -230,10 +251,23 @@ def test_user_forward_hooks_on_a_fallback_module_run_once_per_call():
     assert calls == [torch.Size([3, 4])]
 
 
-def test_fallback_module_is_restored_by_to_standard_module():
-    model = nn.Sequential(nn.MultiheadAttention(EMBED, HEADS, batch_first=True), BareParameterWithChild(EMBED))
+class AttentionThenBareParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+        self.tail = BareParameterWithChild(EMBED)
+
+    def forward(self, x):
+        return self.tail(self.attention(x, x, x, need_weights=False)[0])
+
+
+def test_fallback_modules_are_restored_by_to_standard_module():
+    model = AttentionThenBareParameter()
     before = module_fingerprint(model)
-    GradSampleModule(model).to_standard_module()
+    wrapped = GradSampleModule(model)
+    wrapped(torch.randn(2, QUERIES, EMBED)).sum().backward()
+    assert model.attention.in_proj_weight.grad_sample is not None
+    assert wrapped.to_standard_module() is model
     assert module_fingerprint(model) == before
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from grad_samplers import grad_sampler_for
 from privacy_engine import GradSampleModule, ParameterUsageError, UnsupportedModuleError
 
 DOUBLE = torch.float64
@@ -187,7 +188,12 @@ def test_module_called_twice_in_one_forward_sums_both_calls():
     assert_matches_reference(model, reference)
 
 
-def test_tied_embedding_and_linear_sum_both_uses():
+@pytest.mark.parametrize("embedding_path", ["registered_sampler", "torch_func_fallback"])
+def test_tied_embedding_and_linear_sum_both_uses(embedding_path, restore_sampler_registry):
+    if embedding_path == "torch_func_fallback":
+        restore_sampler_registry._GRAD_SAMPLERS.pop(nn.Embedding, None)
+    elif grad_sampler_for(nn.Embedding(2, 2)) is None:
+        pytest.skip("no nn.Embedding sampler is registered")
     torch.manual_seed(0)
     model = TiedEmbeddings().to(DOUBLE)
     tokens, target = torch.randint(0, 7, (4, 5)), torch.randint(0, 7, (4, 5))
@@ -445,6 +451,18 @@ def test_parameter_used_outside_its_owner_raises_at_first_backward(also_call_chi
     wrapped = GradSampleModule(model)
     with pytest.raises(ParameterUsageError, match="'fc.weight'"):
         wrapped(torch.randn(3, 3, dtype=DOUBLE)).sum().backward()
+
+
+def test_cancelling_per_sample_gradients_are_not_mistaken_for_outside_use():
+    # Examples come in pairs (z, -z): the float32 batch gradient is pure rounding noise, and must be
+    # judged against the per-sample magnitudes, not against its own near-zero norm.
+    torch.manual_seed(0)
+    half = torch.randn(32, 8)
+    x = torch.cat([half, -half])[torch.randperm(64)]
+    model = nn.Sequential(nn.Linear(8, 1, bias=False))
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    wrapped(x).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad_sample, x.unsqueeze(1))
 
 
 def test_wrong_shape_from_a_sampler_names_sampler_and_module(restore_sampler_registry):
