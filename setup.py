@@ -11,7 +11,7 @@ setup(
         "torch>=2.2",
         "numpy",
         "scipy",
-        "dp-accounting>=0.4",
+        "dp-accounting>=0.6",
         "tqdm",
     ],
     extras_require={

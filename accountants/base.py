@@ -345,9 +345,8 @@ class Accountant(abc.ABC):
         settings = state_dict["settings"]
         if not isinstance(settings, dict):
             raise TypeError("state_dict['settings'] must be a dict.")
-        loaded = type(self)(
-            **settings
-        )  # validates the settings before anything changes
+        # Validates the settings before anything changes.
+        loaded = type(self)(**settings)
         if not isinstance(state_dict["history"], list | tuple):
             raise TypeError("state_dict['history'] must be a list of entries.")
         history = [HistoryEntry.from_dict(entry) for entry in state_dict["history"]]

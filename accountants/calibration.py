@@ -98,7 +98,7 @@ def calibrate_noise_multiplier(
     steps = 0 or sample_rate = 0             0.0 (nothing data-dependent is released)
     sample_rate = 1                          full-batch Gaussian; works for tiny epsilon
     target met only above SIGMA_MAX = 1e6    CalibrationError (a ValueError) saying so
-    target met already at SIGMA_MIN = 0.1    CalibrationError: search range is [0.1, 1e6]
+    target met already at SIGMA_MIN = 0.1    0.1 (verified; looser targets are not tightened)
     truncation with accountant="rdp"         NotImplementedError naming PLDAccountant
     accountant instance with history         ValueError (pass an empty one)
     target_epsilon <= 0, delta not in (0,1)  ValueError naming the argument
@@ -165,6 +165,10 @@ def calibrate_noise_multiplier(
             # Land well inside the tolerance: the final level is meant to need a single evaluation.
             log_sigma, slope = _refine(gap, log_sigma, slope, tolerance / 4)
     except CalibrationError as error:
+        if not error.unreachable and final.epsilon(SIGMA_MIN) <= target_epsilon:
+            # A loose target already met at the bottom of the search range: SIGMA_MIN satisfies it
+            # (checked just now on the requested accountant), it is only not the tightest answer.
+            return SIGMA_MIN
         # A coarse grid's pessimism can put a tiny target out of its reach but not out of the
         # final accountant's: only the final accountant may declare a target unreachable.
         if not error.unreachable or gaps[0] is final:
@@ -339,12 +343,9 @@ def _refine(
     about `accept` of the root (by the local slope, or by a failing point below it). Typically one
     or two evaluations. Falls back to `_solve` if no passing point turns up.
     """
-    best_ok: float | None = (
-        None  # log sigma of the smallest sigma seen with epsilon <= target
-    )
-    worst_bad: float | None = (
-        None  # log sigma of the largest sigma seen with epsilon > target
-    )
+    # log sigma of the smallest sigma seen with epsilon <= target, and of the largest with >.
+    best_ok: float | None = None
+    worst_bad: float | None = None
     previous: tuple[float, float] | None = None
     for _ in range(_MAX_REFINE_STEPS):
         value = gap(log_sigma)
@@ -354,9 +355,8 @@ def _refine(
         previous = (log_sigma, value)
         if value <= 0:
             best_ok = log_sigma if best_ok is None else min(best_ok, log_sigma)
-            if (
-                value / slope <= accept
-            ):  # value / slope: how far sigma could still shrink
+            # value / slope (>= 0): how far log sigma could still shrink.
+            if value / slope <= accept:
                 break
         else:
             worst_bad = log_sigma if worst_bad is None else max(worst_bad, log_sigma)

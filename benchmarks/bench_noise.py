@@ -76,14 +76,20 @@ def baseline_step(total: int, bands: int, device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1M parameters only, fewer repeats")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000]
     band_counts = [1, 4, 16, 64]
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-          + (f", GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"))
+    gpu = f"GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {gpu}, load average {load}")
     # ratio: median over repeats of (BandMF time / baseline time measured right after it).
     header = (
         f"{'device':<7} {'params':>8} {'bands':>5} {'BandMF ms':>10} {'baseline ms':>12} "

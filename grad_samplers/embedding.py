@@ -10,9 +10,9 @@ Rejected with a ValueError (they would need rules this file does not implement):
 - ``scale_grad_by_freq=True``: the gradient is divided by each index's frequency in the *whole batch*,
   so an example's gradient depends on the other examples, which breaks the per-example sensitivity
   bound that clipping is meant to give.
-- ``EmbeddingBag(mode="max")``: its backward routes through the forward's arg-max indices, and for
-  empty or all-padding bags torch's CPU backward sends gradient to row 0 although the output is a
-  constant 0; a per-sample rule would have to copy that quirk.
+- ``EmbeddingBag(mode="max")``: its gradient goes to the arg-max row of each output coordinate, which
+  this file would have to recompute from the weights with exactly the forward's tie-breaking; not
+  implemented (use 'sum' or 'mean').
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def _bag_entries(
     _reject_scale_grad_by_freq(layer)
     if layer.mode not in ("sum", "mean"):
         raise ValueError(
-            f"nn.EmbeddingBag(mode={layer.mode!r}) has no per-sample gradient rule here; use mode='sum' or "
-            f"'mean' (or wrap the layer in a custom module to use the torch.func fallback)"
+            f"nn.EmbeddingBag(mode={layer.mode!r}) has no per-sample gradient rule; construct it with "
+            f"mode='sum' or mode='mean'"
         )
     indices = activations[0]
     offsets = activations[1] if len(activations) > 1 else None

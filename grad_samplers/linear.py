@@ -120,7 +120,7 @@ def linear_squared_norms(
             grad_gram = torch.bmm(grads, grads.transpose(1, 2))
             weight_norms = (input_gram * grad_gram).sum(dim=(1, 2))
         else:
-            block = max(1, _DIRECT_FORM_BLOCK_ELEMENTS // (in_features * out_features))
+            block = max(1, _DIRECT_FORM_BLOCK_ELEMENTS // max(1, in_features * out_features))
             weight_norms = torch.cat(
                 [
                     torch.bmm(grads[start : start + block].transpose(1, 2), sequences[start : start + block])
@@ -128,6 +128,7 @@ def linear_squared_norms(
                     .sum(dim=(1, 2))
                     for start in range(0, batch_size, block)
                 ]
+                or [grads.new_zeros(0)]
             )
     if bias:
         bias_norms = grads.sum(dim=1).square().sum(dim=1)

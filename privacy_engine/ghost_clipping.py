@@ -620,6 +620,11 @@ class GhostClippingModule(GradSampleModule):
             )
         batch_size = grads.shape[0]
         state.note_batch(use.path, batch_size)
+        if batch_size == 0:
+            # An empty (Poisson) batch: no norms, nothing to sum; samplers need not handle it.
+            for param, _ in use.parts:
+                state.add_squared(param, grads.new_zeros(0))
+            return
         materialise = use.norms is None or any(param in state.shared for param, _ in use.parts)
         if materialise:
             per_sample = use.grads(activations, grads)

@@ -290,9 +290,8 @@ def test_zero_noise_gives_infinite_epsilon(kind):
     accountant.step(noise_multiplier=2.0, sample_rate=0.01, num_steps=10)
     accountant.step(noise_multiplier=0.0, sample_rate=0.01)
     assert accountant.get_epsilon(DELTA) == math.inf
-    assert (
-        reference_epsilon(kind, accountant.event()) == math.inf
-    )  # dp-accounting agrees
+    # dp-accounting agrees.
+    assert reference_epsilon(kind, accountant.event()) == math.inf
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -343,9 +342,8 @@ def test_state_dict_round_trip_through_json(make):
             group_size=500,
             max_batch_size=25,
         )
-    restored = type(
-        accountant
-    )()  # default settings: loading must restore the saved ones
+    # Default settings: loading must restore the saved ones.
+    restored = type(accountant)()
     restored.load_state_dict(json.loads(json.dumps(accountant.state_dict())))
     assert restored.history == accountant.history
     assert restored.settings() == accountant.settings()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from accountants import make_accountant
 from privacy_engine.engine import PrivacyEngine
 from privacy_engine.grad_sample_module import GradSampleModule
 from privacy_engine.optimizer import DPOptimizer
@@ -300,3 +301,8 @@ def test_accountant_names():
     assert PrivacyEngine(accountant="RDP").accountant_name == "rdp"
     with pytest.raises(ValueError, match="accountant"):
         PrivacyEngine(accountant="gdp")
+    coarse = make_accountant("pld", value_discretization_interval=1e-3)
+    assert PrivacyEngine(accountant=coarse).accountant is coarse
+    coarse.step(noise_multiplier=1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match="empty"):
+        PrivacyEngine(accountant=coarse)
