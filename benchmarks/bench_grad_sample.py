@@ -38,7 +38,6 @@ for _path in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _path)
 
 import torch
-from torch import nn
 from workloads import (
     MEMORY_CHILD_ENV,
     WORKLOADS,
@@ -52,13 +51,12 @@ from workloads import (
 )
 
 from privacy_engine import GradSampleModule
-from privacy_engine.clip_factors import clip_factors
-from privacy_engine.noise import GaussianNoise
+from privacy_engine.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
-VARIANTS = ("plain", "ours-psg", "ours-dp", "opacus-psg", "opacus-dp")
+VARIANTS = ("plain", "ours-psg", "opacus-psg", "ours-dp", "opacus-dp")
 
 try:
     import opacus
@@ -74,20 +72,6 @@ def opacus_available() -> bool:
 
 
 # ---------------------------------------------------------------------------------- variants
-def _ours_dp_update(model: nn.Module, noise: GaussianNoise, batch_size: int) -> None:
-    """Clip each example's whole-model gradient to MAX_GRAD_NORM, sum, add noise, divide by the
-    batch size; written by hand with ``clip_factors`` and ``GaussianNoise`` (the library's
-    DP optimizer is not used here), the same arithmetic as Opacus's DPOptimizer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_sample = [p.grad_sample for p in params]
-    squared_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per_sample], dim=1)
-    factors = clip_factors(squared_norms.sum(1).sqrt(), MAX_GRAD_NORM)
-    clipped_sums = [torch.einsum("i,i...->...", factors, g) for g in per_sample]
-    noise.add_noise_(clipped_sums, NOISE_MULTIPLIER, MAX_GRAD_NORM)
-    for param, clipped_sum in zip(params, clipped_sums):
-        param.grad = clipped_sum.div_(batch_size)
-
-
 def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[], None]:
     """A closure running one training step of ``variant`` on a fixed batch of ``workload``."""
     torch.manual_seed(seed)
@@ -108,15 +92,21 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
     if variant in ("ours-psg", "ours-dp"):
         wrapped = GradSampleModule(model, loss_reduction="mean")
         optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        noise = GaussianNoise(seed=seed)
-        clip_and_noise = variant == "ours-dp"
+        if variant == "ours-dp":
+            optimizer = DPOptimizer(
+                optimizer,
+                noise_multiplier=NOISE_MULTIPLIER,
+                max_grad_norm=MAX_GRAD_NORM,
+                expected_batch_size=workload.batch_size,
+                loss_reduction="mean",
+                noise_seed=seed,
+            )
 
         def step() -> None:
             loss_fn(wrapped(inputs), targets).backward()
-            if clip_and_noise:
-                _ours_dp_update(model, noise, workload.batch_size)
             optimizer.step()
-            wrapped.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
+            wrapped.zero_grad(set_to_none=True)  # drops grad_sample (ours-psg: nothing consumed it)
 
         return step
 
@@ -151,30 +141,49 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
 
 
 # ---------------------------------------------------------------------------------- table
-def _ratio_cell(value: float | None, reference: float, unit_format: str) -> str:
-    if value is None:
-        return "-"
-    return f"{unit_format.format(value)} ({value / reference:.2f}x)"
+SHORT_NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer"}
 
 
-def format_table(rows: list[dict], variants: list[str]) -> str:
+def _render(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
+    rendered.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(rendered)
+
+
+def format_table(rows: list[dict], variants: list[str], *, key: str = "ms") -> str:
+    """One line per workload: times (ratio to plain), ours/opacus, and peak-memory ratios."""
     private = [v for v in variants if v != "plain"]
-    header = ["workload", "plain ms"] + [f"{v} ms (x plain)" for v in private] + ["peak mem (x plain): " + " / ".join(private)]
+    pairs = [kind for kind in ("psg", "dp") if f"ours-{kind}" in variants and f"opacus-{kind}" in variants]
+    header = ["workload", "plain ms"] + [f"{v} ms (x plain)" for v in private]
+    header += [f"ours/opacus {kind}" for kind in pairs]
+    header += ["peak mem x plain: " + " / ".join(private)]
     lines = [header]
     for row in rows:
-        plain_ms = row["ms"]["plain"]
-        cells = [row["workload"], f"{plain_ms:.1f}"]
-        cells += [_ratio_cell(row["ms"].get(v), plain_ms, "{:.1f}") for v in private]
-        plain_mem = row["mem_mib"].get("plain")
-        if plain_mem:
-            cells.append(" / ".join(f"{row['mem_mib'][v] / plain_mem:.2f}" if v in row["mem_mib"] else "-" for v in private))
+        times = row[key]
+        cells = [row["name"], f"{times['plain']:.1f}"]
+        cells += [f"{times[v]:.1f} ({times[v] / times['plain']:.2f}x)" for v in private]
+        cells += [f"{times[f'ours-{kind}'] / times[f'opacus-{kind}']:.2f}" for kind in pairs]
+        memory = row["mem_mib"]
+        if memory.get("plain"):
+            cells.append(" / ".join(f"{memory[v] / memory['plain']:.1f}" for v in private))
         else:
             cells.append("-")
         lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
-    rendered.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(rendered)
+    return _render(lines)
+
+
+LEGEND = """\
+plain       : the model alone (forward, backward, SGD step)
+ours-psg    : privacy_engine GradSampleModule (per-sample gradients) + SGD step; no clipping, no noise
+ours-dp     : ours-psg + privacy_engine DPOptimizer: per-example clipping (flat, C=1), Gaussian noise
+              (sigma=1), SGD step: a full DP-SGD step
+opacus-psg  : Opacus GradSampleModule, hooks mode (the default) + SGD step; no clipping, no noise
+opacus-dp   : Opacus GradSampleModule (hooks) + Opacus DPOptimizer (clip C=1, noise sigma=1): what
+              make_private gives; Opacus always clips and noises in its optimizer
+ratios x plain use the same row's plain step; ours/opacus compares like with like (psg with psg,
+dp with dp). Peak mem x plain: peak RSS growth during a steady-state step (above what is held
+between steps: parameters, optimizer state), each variant in a fresh process, over plain's."""
 
 
 # ---------------------------------------------------------------------------------- main
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run; numbers are noisy)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20, quick 5)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers as JSON")
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
@@ -204,11 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")  # Opacus's full-backward-hook notice and similar
     repeats = args.repeats or (5 if args.quick else 20)
     warmup = 2 if args.quick else 3
-    variants = [v for v in VARIANTS if opacus_available() or not v.startswith("opacus")]
+    variants = [v for v in VARIANTS if v in args.variants and (opacus_available() or not v.startswith("opacus"))]
+    if "plain" not in variants:
+        variants.insert(0, "plain")  # every ratio needs it
     print(
         f"torch {torch.__version__}, {cores} threads"
-        + (f", opacus {opacus.__version__}" if opacus_available() else ", opacus not installed")
-        + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds"
+        + (f", opacus {opacus.__version__}" if opacus_available() else ", opacus not installed (its columns left out)")
+        + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds",
+        flush=True,
     )
     rows = []
     for name in args.workloads:
@@ -220,34 +233,37 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_memory:
             for variant in variants:
                 result = run_python_json(
-                    [os.path.abspath(__file__), "--memory-child", name, variant]
-                    + (["--quick"] if args.quick else []),
+                    [os.path.abspath(__file__), "--memory-child", name, variant] + (["--quick"] if args.quick else []),
                     env=MEMORY_CHILD_ENV,
                 )
                 memory[variant] = result["peak_bytes"] / 2**20
         rows.append(
             {
+                "name": SHORT_NAMES[name],
                 "workload": workload.description,
                 "ms": {v: t.median_ms for v, t in timings.items()},
+                "cpu_ms": {v: t.median_cpu_ms for v, t in timings.items()},
                 "spread": {v: t.spread for v, t in timings.items()},
                 "mem_mib": memory,
             }
         )
-        print(f"  done {name}: " + ", ".join(f"{v} {t.median_ms:.1f} ms" for v, t in timings.items()), flush=True)
+        print(
+            f"  {name}: " + ", ".join(f"{v} {t.median_ms:.1f} ms (IQR/median {t.spread:.2f})" for v, t in timings.items()),
+            flush=True,
+        )
     print()
+    print("Median wall time per training step")
     print(format_table(rows, variants))
     print()
-    print(
-        "psg = per-sample gradients + SGD step (no clipping, no noise); dp = per-sample gradients + "
-        "per-example clipping (C=1) + Gaussian noise (sigma=1) + SGD step. ours-dp clips by hand with "
-        "privacy_engine.clip_factors and adds privacy_engine.noise.GaussianNoise; opacus-dp is Opacus's "
-        "DPOptimizer. Peak mem = peak RSS growth of a steady-state step, one fresh process per variant."
-    )
+    print("Median CPU time (user + system, all threads) per step: less disturbed by other processes")
+    print(format_table(rows, variants, key="cpu_ms"))
+    print()
+    print(LEGEND)
     if not args.no_memory:
-        print("peak memory MiB: " + "; ".join(
-            f"{row['workload'].split(',')[0]}: " + ", ".join(f"{v} {m:.0f}" for v, m in row["mem_mib"].items())
-            for row in rows
-        ))
+        print("Peak memory growth, MiB:")
+        for row in rows:
+            print(f"  {row['name']}: " + ", ".join(f"{v} {m:.0f}" for v, m in row["mem_mib"].items()))
+    print("Workloads: " + "; ".join(f"{SHORT_NAMES[n]} = {get_workload(n).description}" for n in args.workloads))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -198,9 +199,14 @@ def synchronize(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------- timing
 @dataclass(frozen=True, kw_only=True)
 class Timing:
-    """Wall times of one variant's steps, in seconds."""
+    """Wall and CPU times of one variant's steps, in seconds.
+
+    CPU time is the process's user + system time (all its threads): on a machine shared with other
+    work it is far less disturbed than wall time, which counts time spent waiting for a core.
+    """
 
     samples: tuple[float, ...]
+    cpu_samples: tuple[float, ...] = ()
 
     @property
     def median_s(self) -> float:
@@ -211,12 +217,21 @@ class Timing:
         return 1000.0 * self.median_s
 
     @property
+    def median_cpu_ms(self) -> float:
+        return 1000.0 * statistics.median(self.cpu_samples) if self.cpu_samples else float("nan")
+
+    @property
     def spread(self) -> float:
-        """(upper quartile - lower quartile) / median: a rough noise gauge."""
+        """(upper quartile - lower quartile) / median of the wall times: a rough noise gauge."""
         if len(self.samples) < 4:
             return float("nan")
         quartiles = statistics.quantiles(self.samples, n=4)
         return (quartiles[2] - quartiles[0]) / self.median_s
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def time_interleaved(
@@ -236,15 +251,17 @@ def time_interleaved(
     for _ in range(warmup):
         for step in steps.values():
             step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             synchronize(device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), _cpu_seconds()
             step()
             synchronize(device)
-            samples[name].append(time.perf_counter() - start)
-    return {name: Timing(samples=tuple(times)) for name, times in samples.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(_cpu_seconds() - start_cpu)
+    return {name: Timing(samples=tuple(wall[name]), cpu_samples=tuple(cpu[name])) for name in steps}
 
 
 def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = CPU) -> Timing:

@@ -45,7 +45,7 @@ __all__ = ["PrivacyEngine"]
 # Opacus's default accountant is "prv" (a numerical privacy-loss accountant like PLD): it maps to
 # dp-accounting's PLD accountant here.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
-GRAD_SAMPLE_MODES = ("hooks", "functorch")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
 NOISE_MECHANISMS = ("gaussian", "bandmf")
 
 
@@ -68,7 +68,6 @@ class _Plan:
 
     model: nn.Module
     optimizer: Optimizer
-    data_loader: DataLoader
     private_loader: DataLoader
     sample_rate: float
     expected_batch_size: float
@@ -81,6 +80,8 @@ class _Plan:
     batch_first: bool
     make_noise: Callable[[], NoiseMechanism]
     num_bands: int
+    grad_sample_mode: str
+    criterion: Any
     nan_safe: bool
     rescale_to_unit_norm: bool
 
@@ -141,7 +142,7 @@ class PrivacyEngine:
         total_steps: int | None = None,
         nan_safe: bool = True,
         rescale_to_unit_norm: bool = False,
-    ) -> tuple[GradSampleModule, DPOptimizer, DataLoader]:
+    ) -> tuple:
         """Wrap ``model`` (``GradSampleModule``), ``optimizer`` (``DPOptimizer``) and ``loader``
         (``DPDataLoader``, Poisson sampling) for DP-SGD, and record every step with this engine's
         accountant.
@@ -184,8 +185,10 @@ class PrivacyEngine:
             noise_generator: Opacus's seeding: a ``torch.Generator`` that seeds the noise (one draw)
                 and drives Poisson sampling.
             grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
-                ``torch.func`` for layers without a registered sampler).
-            criterion: accepted for Opacus compatibility; unused.
+                ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast
+                clipping inside the backward pass (``GhostClippingModule``), which then returns
+                ``(module, optimizer, criterion, data_loader)`` as Opacus does.
+            criterion: returned (unchanged) in ghost mode; default ``nn.CrossEntropyLoss``.
             noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation
                 with ``num_bands`` bands and cyclic Poisson sampling; coefficients
                 ``bandmf_coefficients`` or optimised for ``total_steps``), or a ready
@@ -205,6 +208,7 @@ class PrivacyEngine:
             noise_seed=noise_seed,
             noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode,
+            criterion=criterion,
             noise_mechanism=noise_mechanism,
             num_bands=num_bands,
             bandmf_coefficients=bandmf_coefficients,
@@ -227,7 +231,7 @@ class PrivacyEngine:
         epochs: int,
         max_grad_norm: float | Sequence[float],
         **kwargs: Any,
-    ) -> tuple[GradSampleModule, DPOptimizer, DataLoader]:
+    ) -> tuple:
         """``make_private`` with the smallest noise multiplier that keeps the whole run within
         ``(target_epsilon, target_delta)``: calibrated with ``accountants.calibrate_noise_multiplier``
         (this engine's accountant kind) over ``steps = epochs * len(loader)`` steps at the private
@@ -323,9 +327,7 @@ class PrivacyEngine:
         unknown = sorted(set(kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {sorted(allowed)}")
-        kwargs = dict(kwargs)
-        kwargs.pop("criterion", None)
-        return kwargs
+        return dict(kwargs)
 
     def _plan(
         self,
@@ -342,6 +344,7 @@ class PrivacyEngine:
         noise_seed: int | None = None,
         noise_generator: torch.Generator | None = None,
         grad_sample_mode: str = "hooks",
+        criterion: Any = None,
         noise_mechanism: str | NoiseMechanism = "gaussian",
         num_bands: int | None = None,
         bandmf_coefficients: Sequence[float] | None = None,
@@ -381,8 +384,6 @@ class PrivacyEngine:
                            ("nan_safe", nan_safe), ("rescale_to_unit_norm", rescale_to_unit_norm)):  # fmt: skip
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool; got {flag!r}")
-        if grad_sample_mode == "ghost":
-            raise NotImplementedError("grad_sample_mode='ghost' (fast clipping) is not available in this build; use 'hooks'")
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}; got {grad_sample_mode!r}")
         if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, numbers.Integral) or noise_seed < 0):
@@ -492,7 +493,6 @@ class PrivacyEngine:
         return _Plan(
             model=model,
             optimizer=optimizer,
-            data_loader=data_loader,
             private_loader=private_loader,
             sample_rate=sample_rate,
             expected_batch_size=expected_batch_size,
@@ -505,6 +505,8 @@ class PrivacyEngine:
             batch_first=batch_first,
             make_noise=make_noise,
             num_bands=bands,
+            grad_sample_mode=grad_sample_mode,
+            criterion=criterion,
             nan_safe=nan_safe,
             rescale_to_unit_norm=rescale_to_unit_norm,
         )
@@ -563,7 +565,7 @@ class PrivacyEngine:
         return (lambda: BandMFNoise(coefficients, seed=seed(), secure_mode=secure_mode)), probe.num_bands
 
     # ------------------------------------------------------------------ building
-    def _build(self, plan: _Plan, noise_multiplier: float) -> tuple[GradSampleModule, DPOptimizer, DataLoader]:
+    def _build(self, plan: _Plan, noise_multiplier: float) -> tuple:
         clipper = PerSampleGradientClipper(
             plan.params,
             plan.max_grad_norm,
@@ -591,5 +593,15 @@ class PrivacyEngine:
             padding_mask_source=padding_mask_source,
         )
         # Wrapped last: its constructor hooks the model, and nothing after it can fail.
-        wrapped = GradSampleModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
-        return wrapped, dp_optimizer, private_loader
+        if plan.grad_sample_mode != "ghost":
+            wrapped = GradSampleModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
+            return wrapped, dp_optimizer, private_loader
+        # Imported here: only the ghost mode needs it.
+        from privacy_engine.ghost_clipping import GhostClippingModule
+
+        ghost = GhostClippingModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
+        ghost.attach_clipper(clipper, padding_mask_source=dp_optimizer.current_padding_mask)
+        # Opacus returns a wrapped criterion in ghost mode; here clipping happens inside the ordinary
+        # backward pass, so the criterion is returned as given (default: cross-entropy).
+        criterion = plan.criterion if plan.criterion is not None else nn.CrossEntropyLoss(reduction=plan.loss_reduction)
+        return ghost, dp_optimizer, criterion, private_loader

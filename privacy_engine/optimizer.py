@@ -244,9 +244,15 @@ class DPOptimizer(Optimizer):
         """Clip the waiting per-sample gradients into the accumulator (see
         ``PerSampleGradientClipper.clip_and_accumulate``). ``padding_mask`` defaults to
         ``padding_mask_source()``. Call it yourself for per-user clipping (``group_ids``)."""
-        if padding_mask is None and self.padding_mask_source is not None:
-            padding_mask = self.padding_mask_source()
+        if padding_mask is None:
+            padding_mask = self.current_padding_mask()
         self.clipper.clip_and_accumulate(padding_mask=padding_mask, group_ids=group_ids)
+
+    def current_padding_mask(self) -> torch.Tensor | None:
+        """The padding mask of the batch being trained on (from ``padding_mask_source``, which
+        ``VirtualSteps`` redirects to the micro-batch's slice), or None. Fast clipping reads it at
+        the end of each backward pass."""
+        return None if self.padding_mask_source is None else self.padding_mask_source()
 
     def _has_grad_samples(self) -> bool:
         return any(getattr(p, "grad_sample", None) is not None for p in self.clipper.params)

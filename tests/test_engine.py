@@ -154,6 +154,29 @@ def test_bandmf_uses_cyclic_sampling_and_records_its_bands():
     assert engine.accountant.history[0].num_bands == 2
 
 
+def test_ghost_mode_returns_a_criterion_and_trains_like_hooks():
+    def run(mode):
+        model, optimizer, loader = make_setup()
+        wrapped = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=0.5,
+            grad_sample_mode=mode, noise_seed=7, noise_generator=None,
+        )  # fmt: skip
+        torch.manual_seed(0)  # same Poisson batches in both runs (global generator)
+        private_model, private_optimizer, *rest = wrapped
+        criterion, private_loader = rest if mode == "ghost" else (nn.CrossEntropyLoss(), rest[0])
+        for inputs, targets in private_loader:
+            private_optimizer.zero_grad()
+            criterion(private_model(inputs), targets).backward()
+            private_optimizer.step()
+        return len(wrapped), [p.detach() for p in model.parameters()]
+
+    hooks_length, hooks_params = run("hooks")
+    ghost_length, ghost_params = run("ghost")
+    assert (hooks_length, ghost_length) == (3, 4)  # Opacus's ghost mode returns the criterion too
+    for a, b in zip(hooks_params, ghost_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoint_round_trip_restores_model_optimizer_and_ledger(tmp_path):
     model, optimizer, loader = make_setup()
     engine = PrivacyEngine(accountant="rdp")

@@ -1,0 +1,258 @@
+"""Fast (ghost) clipping against the materialised path, Opacus 1.6 and a non-private step.
+
+One training step per variant, on the workloads of ``benchmarks/workloads.py`` (MLP and CNN batch
+256, Transformer batch 64), all with plain SGD underneath:
+
+================  ==================================================================================
+variant           step
+================  ==================================================================================
+plain             the model alone, no privacy (the reference of every ratio)
+ghost-clip        ``GhostClippingModule``: per-example norms + clipped sum in one backward, written
+                  into ``.grad`` by the clipper; no noise (the cost of clipping alone)
+ghost-dp          ghost-clip + ``DPOptimizer`` (Gaussian noise, sigma=1): a full DP-SGD step
+materialised-dp   ``GradSampleModule`` (per-sample gradients) + ``DPOptimizer``: a full DP-SGD step
+opacus-hooks      Opacus 1.6 ``make_private(grad_sample_mode="hooks")``: a full DP-SGD step
+opacus-ghost      Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` (criterion wrapper, two
+                  backward passes): a full DP-SGD step
+================  ==================================================================================
+
+Times: medians over interleaved rounds, all variants in ONE process (``time_interleaved``); peak
+memory: peak RSS growth of a steady-state step, one fresh process per variant
+(``peak_memory_increase``). Ratios are to ``plain``. Opacus needs ``ModuleValidator.fix`` for the
+Transformer (nn.MultiheadAttention -> DPMultiheadAttention); ours wraps the model as it is.
+
+Run:  python benchmarks/bench_fast_clipping.py [--quick] [--workloads mlp cnn transformer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+
+# Opacus installs a top-level package named `benchmarks`: import the sibling module directly.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (_HERE, os.path.dirname(_HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from privacy_engine import GradSampleModule  # noqa: E402
+from privacy_engine.clipper import PerSampleGradientClipper  # noqa: E402
+from privacy_engine.ghost_clipping import GhostClippingModule  # noqa: E402
+from privacy_engine.noise import GaussianNoise  # noqa: E402
+from privacy_engine.optimizer import DPOptimizer  # noqa: E402
+from workloads import (  # noqa: E402
+    MEMORY_CHILD_ENV,
+    WORKLOADS,
+    Timing,
+    Workload,
+    get_workload,
+    peak_memory_increase,
+    run_python_json,
+    time_interleaved,
+    use_all_cores,
+)
+
+LEARNING_RATE = 0.05
+NOISE_MULTIPLIER = 1.0
+MAX_GRAD_NORM = 1.0
+VARIANTS = ("plain", "ghost-clip", "ghost-dp", "materialised-dp", "opacus-hooks", "opacus-ghost")
+
+try:
+    import opacus
+    from opacus import PrivacyEngine as OpacusPrivacyEngine
+    from opacus.validators import ModuleValidator
+except ImportError:  # our rows still run without Opacus
+    opacus = None
+
+
+def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[], None]:
+    """A closure running one training step of ``variant`` on a fixed batch of ``workload``."""
+    torch.manual_seed(seed)
+    model = workload.build_model()
+    inputs, targets = workload.make_batch(workload.batch_size, torch.Generator().manual_seed(seed))
+    loss_fn = workload.loss
+    sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+
+    if variant == "plain":
+
+        def step() -> None:
+            loss_fn(model(inputs), targets).backward()
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+
+        return step
+
+    if variant == "ghost-clip":
+        clipper = PerSampleGradientClipper(list(model.parameters()), MAX_GRAD_NORM)
+        wrapped = GhostClippingModule(model, clipper=clipper)
+
+        def step() -> None:
+            loss_fn(wrapped(inputs), targets).backward()
+            clipper.pre_step()  # clipped sum -> .grad
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+
+        return step
+
+    if variant in ("ghost-dp", "materialised-dp"):
+        optimizer = DPOptimizer(
+            sgd,
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_grad_norm=MAX_GRAD_NORM,
+            expected_batch_size=workload.batch_size,
+            noise=GaussianNoise(seed=seed),
+        )
+        if variant == "ghost-dp":
+            wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
+        else:
+            wrapped = GradSampleModule(model)
+
+        def step() -> None:
+            loss_fn(wrapped(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    if variant in ("opacus-hooks", "opacus-ghost"):
+        if opacus is None:
+            raise RuntimeError("opacus is not installed")
+        if ModuleValidator.validate(model, strict=False):
+            model = ModuleValidator.fix(model)  # nn.MultiheadAttention -> DPMultiheadAttention
+            sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(inputs, targets), batch_size=workload.batch_size
+        )
+        engine = OpacusPrivacyEngine(accountant="rdp")
+        if variant == "opacus-hooks":
+            wrapped, optimizer, _ = engine.make_private(
+                module=model, optimizer=sgd, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
+                max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False, grad_sample_mode="hooks",
+            )  # fmt: skip
+
+            def step() -> None:
+                loss_fn(wrapped(inputs), targets).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return step
+        wrapped, optimizer, criterion, _ = engine.make_private(
+            module=model, optimizer=sgd, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+            noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False,
+            grad_sample_mode="ghost",
+        )  # fmt: skip
+
+        def step() -> None:
+            criterion(wrapped(inputs), targets).backward()  # both backward passes
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+# ---------------------------------------------------------------------------------- table
+def format_table(rows: list[dict], variants: list[str]) -> str:
+    header = ["workload", "variant", "median ms", "x plain", "peak MiB", "x plain"]
+    lines = [header]
+    for row in rows:
+        plain_ms, plain_mib = row["ms"]["plain"], row["mem_mib"].get("plain")
+        for variant in variants:
+            ms, mib = row["ms"].get(variant), row["mem_mib"].get(variant)
+            lines.append(
+                [
+                    row["workload"] if variant == variants[0] else "",
+                    variant,
+                    "-" if ms is None else f"{ms:.1f}",
+                    "-" if ms is None else f"{ms / plain_ms:.2f}",
+                    "-" if mib is None else f"{mib:.1f}",
+                    "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}",
+                ]
+            )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
+    rendered.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(rendered)
+
+
+def _memory_child(workload_name: str, variant: str, steps: int) -> None:
+    use_all_cores()
+    warnings.simplefilter("ignore")
+    step = make_step(get_workload(workload_name), variant)
+    print(json.dumps({"peak_bytes": peak_memory_increase(step, steps=steps, warmup=2)}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run; numbers are noisy)")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21, quick 5)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
+    parser.add_argument("--json", metavar="PATH", help="also write the raw numbers as JSON")
+    parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    memory_steps = 2 if args.quick else 3
+    if args.memory_child:
+        _memory_child(*args.memory_child, steps=memory_steps)
+        return
+
+    cores = use_all_cores()
+    warnings.simplefilter("ignore")  # Opacus's notices (secure RNG, full backward hooks)
+    repeats = args.repeats or (5 if args.quick else 21)
+    warmup = 2 if args.quick else 3
+    variants = [v for v in args.variants if opacus is not None or not v.startswith("opacus")]
+    if "plain" not in variants:
+        variants.insert(0, "plain")
+    print(
+        f"torch {torch.__version__}, {cores} threads"
+        + (f", opacus {opacus.__version__}" if opacus is not None else ", opacus not installed")
+        + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds",
+        flush=True,
+    )
+    rows = []
+    for name in args.workloads:
+        workload = get_workload(name)
+        steps = {variant: make_step(workload, variant) for variant in variants}
+        timings: dict[str, Timing] = time_interleaved(steps, repeats=repeats, warmup=warmup)
+        del steps
+        memory: dict[str, float] = {}
+        if not args.no_memory:
+            for variant in variants:
+                result = run_python_json(
+                    [os.path.abspath(__file__), "--memory-child", name, variant] + (["--quick"] if args.quick else []),
+                    env=MEMORY_CHILD_ENV,
+                )
+                memory[variant] = result["peak_bytes"] / 2**20
+        rows.append(
+            {
+                "workload": workload.description,
+                "ms": {v: t.median_ms for v, t in timings.items()},
+                "spread": {v: t.spread for v, t in timings.items()},
+                "mem_mib": memory,
+            }
+        )
+        print(f"  done {name}: " + ", ".join(f"{v} {t.median_ms:.1f} ms" for v, t in timings.items()), flush=True)
+    print()
+    print(format_table(rows, variants))
+    print()
+    print(
+        f"C={MAX_GRAD_NORM}, sigma={NOISE_MULTIPLIER}, SGD lr={LEARNING_RATE}. -dp rows include drawing the Gaussian "
+        f"noise (one normal per parameter), ghost-clip does not. Peak MiB = peak RSS growth of a steady-state step "
+        f"in a fresh process."
+    )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
