@@ -55,10 +55,15 @@ class _ArgumentLayout:
     batch_size: int
 
 
+def _unchanged(output):
+    return output
+
+
 @dataclass(frozen=True)
 class _CallPlan:
     arguments: _ArgumentLayout
     output_dims: Callable[[int], int]  # output tensor leaf index -> its batch dim
+    finish: Callable = _unchanged  # applied to each example's output before it is stacked
 
 
 def _batch_size(args: tuple, kwargs: dict, batch_dim: int, module_path: str) -> int:
@@ -131,6 +136,11 @@ def _attention_plan(module: nn.MultiheadAttention, args: tuple, kwargs: dict, mo
             )
         named["attn_mask"] = mask.reshape(batch_size, module.num_heads, *mask.shape[1:])
         split["attn_mask"], keep["attn_mask"] = 0, None
+    # The batched path (see the module docstring); weights nobody asked for are dropped again.
+    weights_asked = bool(named.get("need_weights", True))
+    named["need_weights"] = True
+    if not weights_asked:
+        named["average_attn_weights"] = True  # the smallest weights to compute and drop
     names = list(named)
     leaves = [named[name] for name in names]
     _, spec = tree_flatten(((), {name: 0 for name in names}))
@@ -140,7 +150,12 @@ def _attention_plan(module: nn.MultiheadAttention, args: tuple, kwargs: dict, mo
     return _CallPlan(
         _ArgumentLayout(leaves, spec, split_dims, keep_dims, batch_size),
         lambda index: sequence_dim if index == 0 else 0,
+        _unchanged if weights_asked else _drop_attention_weights,
     )
+
+
+def _drop_attention_weights(output):
+    return output[0], None
 
 
 def _call_plan(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int, module_path: str) -> _CallPlan:
@@ -164,9 +179,10 @@ def _with_attention_argument(args: tuple, kwargs: dict, name: str, value) -> tup
 
 @contextlib.contextmanager
 def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
-    """While active, every ``nn.MultiheadAttention`` in ``module``'s subtree computes its weights
-    explicitly (``need_weights=True``) and drops them again if the caller did not ask for them."""
-    attentions = [m for m in module.modules() if type(m) is nn.MultiheadAttention]
+    """While active, every ``nn.MultiheadAttention`` strictly inside ``module``'s subtree computes its
+    weights explicitly (``need_weights=True``) and drops them again if the caller did not ask for
+    them. (``module`` itself is not called through its hooks: ``_attention_plan`` handles it.)"""
+    attentions = [m for m in module.modules() if type(m) is nn.MultiheadAttention and m is not module]
     if not attentions:
         yield
         return
@@ -180,9 +196,7 @@ def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
         return args, kwargs
 
     def drop_weights(layer, args, kwargs, output):
-        if not asked.pop():
-            return output[0], None
-        return output
+        return output if asked.pop() else _drop_attention_weights(output)
 
     handles = []
     try:
@@ -198,6 +212,21 @@ def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------- main entry
+class _ForwardOnly(nn.Module):
+    """Runs ``forward`` (the module's own forward) with ``module``'s parameters swapped by
+    ``functional_call``, without going through ``module.__call__``: the module's hooks already ran
+    for the real call and must not run a second time on the per-example tensors."""
+
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.module = module
+        self.call_forward = forward
+
+    def forward(self, *args, **kwargs):
+        return self.call_forward(*args, **kwargs)
+
+
+
 def per_sample_forward(
     module: nn.Module,
     original_forward: Callable,
@@ -243,7 +272,8 @@ def per_sample_forward(
     for name, param in params.items():
         copies = param.unsqueeze(0).expand(batch_size, *param.shape)
         copies.register_hook(lambda grads, param=param: on_per_sample_grad(param, grads))
-        expanded[name] = copies
+        expanded["module." + name] = copies
+    caller = _ForwardOnly(module, original_forward)
 
     # One vmap input per distinct (tensor, split dim, keep dim); each leaf points at its input.
     inputs: list[object] = []
@@ -271,7 +301,7 @@ def per_sample_forward(
             for value, keep_dim in zip(example_inputs, input_keep_dims)
         ]
         example_args, example_kwargs = tree_unflatten([restored[i] for i in input_of_leaf], layout.spec)
-        output = functional_call(module, example_params, example_args, example_kwargs)
+        output = plan.finish(functional_call(caller, example_params, example_args, example_kwargs))
         leaves, spec = tree_flatten(output)
         output_spec[:] = [spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]]
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]

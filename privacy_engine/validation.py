@@ -42,6 +42,17 @@ def find_problems(model: nn.Module) -> List[str]:
                     f"its weight in place during forward, which per-sample gradients cannot follow. "
                     f"Construct it with max_norm=None."
                 )
+            if module.scale_grad_by_freq:
+                problems.append(
+                    f"{module_label(path)} is {type(module).__name__}(scale_grad_by_freq=True): the scaling uses "
+                    f"word counts over the whole batch, so one example's gradient depends on the others. "
+                    f"Construct it with scale_grad_by_freq=False."
+                )
+            if isinstance(module, nn.EmbeddingBag) and module.mode == "max":
+                problems.append(
+                    f"{module_label(path)} is EmbeddingBag(mode='max'): no per-sample gradient sampler "
+                    f"supports it. Use mode='sum' or mode='mean'."
+                )
             if module.sparse:
                 problems.append(
                     f"{module_label(path)} is {type(module).__name__}(sparse=True): sparse gradients are not "

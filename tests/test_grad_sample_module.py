@@ -583,3 +583,16 @@ def test_cuda_per_sample_grads_match_cpu_reference():
     for name, param in model.named_parameters():
         assert param.grad_sample.is_cuda
         torch.testing.assert_close(param.grad_sample.cpu(), reference[name], rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "layer, pattern",
+    [
+        (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
+        (nn.EmbeddingBag(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
+        (nn.EmbeddingBag(5, 2, mode="max"), "mode='max'"),
+    ],
+)
+def test_embedding_configurations_without_per_sample_gradients_are_rejected_at_wrap_time(layer, pattern):
+    model = nn.Sequential(nn.Sequential(layer))
+    assert_rejected_at_wrap_time(model, UnsupportedModuleError, "'0.0'", pattern)
