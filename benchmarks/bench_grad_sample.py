@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         print(
-            f"  {name}: " + ", ".join(f"{v} {t.median_ms:.1f} ms (IQR/median {t.spread:.2f})" for v, t in timings.items()),
+            f"  {name}: "
+            + ", ".join(f"{v} {t.median_ms:.1f} ms (IQR/median {t.spread:.2f})" for v, t in timings.items()),
             flush=True,
         )
     print()

@@ -83,9 +83,7 @@ class Workload:
 
 
 def build_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
 def build_cnn() -> nn.Module:
@@ -320,7 +318,13 @@ def run_python_json(args: Sequence[str], *, env: Mapping[str, str] | None = None
     child_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + child_env.get("PYTHONPATH", "")
     child_env.update(env or {})
     done = subprocess.run(
-        [sys.executable, *args], check=False, cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, *args],
+        check=False,
+        cwd=REPO_ROOT,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     if done.returncode != 0:
         raise RuntimeError(f"child {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")

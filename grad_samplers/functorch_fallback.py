@@ -226,7 +226,6 @@ class _ForwardOnly(nn.Module):
         return self.call_forward(*args, **kwargs)
 
 
-
 def per_sample_forward(
     module: nn.Module,
     original_forward: Callable,
@@ -318,4 +317,3 @@ def per_sample_forward(
 
 
 __all__ = ["PerSampleGradCallback", "per_sample_forward"]
-

@@ -111,10 +111,16 @@ def linear_squared_norms(
     batch_size, num_positions, in_features = sequences.shape
     out_features = grads.shape[-1]
     weight_norms = bias_norms = None
+    # One position: weight and bias gradients are G and G (x) A, so ||G||^2 serves both. vector_norm
+    # reduces without a squared temporary.
+    grad_squares = None
+    if num_positions == 1:
+        grad_squares = torch.linalg.vector_norm(grads.reshape(batch_size, out_features), dim=1).square()
     if weight:
         form = linear_weight_norm_form(num_positions, in_features, out_features)
         if form == "rank_one":
-            weight_norms = grads.square().sum(dim=(1, 2)) * sequences.square().sum(dim=(1, 2))
+            input_squares = torch.linalg.vector_norm(sequences.reshape(batch_size, in_features), dim=1).square()
+            weight_norms = grad_squares * input_squares
         elif form == "gram":
             input_gram = torch.bmm(sequences, sequences.transpose(1, 2))
             grad_gram = torch.bmm(grads, grads.transpose(1, 2))
@@ -131,7 +137,7 @@ def linear_squared_norms(
                 or [grads.new_zeros(0)]
             )
     if bias:
-        bias_norms = grads.sum(dim=1).square().sum(dim=1)
+        bias_norms = grad_squares if grad_squares is not None else torch.linalg.vector_norm(grads.sum(dim=1), dim=1).square()
     return weight_norms, bias_norms
 
 

@@ -681,7 +681,12 @@ class GhostClippingModule(GradSampleModule):
             drop_non_finite = not bool(torch.isfinite(norms).all())
             weights = factors * scale
             sums: dict[nn.Parameter, torch.Tensor] = {}
-            for use, activations, grads in state.deferred:
+            deferred, state.deferred = state.deferred, []
+            deferred.reverse()
+            while deferred:
+                # Popped one at a time so each layer's inputs and output gradient are freed as soon as
+                # its sum exists: the peak stays near the larger of "all of them" and "all the sums".
+                use, activations, grads = deferred.pop()
                 columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
                 for param, rows in use.parts:
                     columns.setdefault(clipper.group_index(param), []).append((param, rows))
@@ -696,13 +701,20 @@ class GhostClippingModule(GradSampleModule):
                     _check_sampler_result("weighted-sum", use, result, _row_shape)
                     for param, rows in parts:
                         _add_rows(sums, param, rows, result[param])
-            for param, grads in state.materialised.items():
+                del use, activations, grads, column_activations, column_grads, result
+            materialised, state.materialised = state.materialised, {}
+            while materialised:
+                param, grads = materialised.popitem()
                 column_weights = weights[:, clipper.group_index(param)]
                 if drop_non_finite:
                     grads = _zero_rows(grads, column_weights != 0)
                 _add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))
+                del grads
             self.last_per_sample_norms = norms
-            clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
+            if _takes_ownership(clipper):
+                clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
+            else:
+                clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
 
     def _check_known(self, clipper, squared: dict[nn.Parameter, torch.Tensor]) -> None:
         known = {id(p) for p in clipper.params}
@@ -712,6 +724,15 @@ class GhostClippingModule(GradSampleModule):
                 f"parameters {unknown} were trained but are not held by the clipper (unfrozen after "
                 f"attach_clipper?); attach a clipper over every trainable parameter"
             )
+
+
+def _takes_ownership(clipper) -> bool:
+    """Whether ``clipper.accumulate_clipped_sums_`` can keep the sums without copying them (they are
+    fresh tensors nobody else holds)."""
+    try:
+        return "take_ownership" in inspect.signature(clipper.accumulate_clipped_sums_).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _add_rows(sums: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, rows: Rows, value: torch.Tensor) -> None:
