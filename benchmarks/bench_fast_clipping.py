@@ -39,15 +39,9 @@ for _path in (_HERE, os.path.dirname(_HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from privacy_engine import GradSampleModule  # noqa: E402
-from privacy_engine.clipper import PerSampleGradientClipper  # noqa: E402
-from privacy_engine.ghost_clipping import GhostClippingModule  # noqa: E402
-from privacy_engine.noise import GaussianNoise  # noqa: E402
-from privacy_engine.optimizer import DPOptimizer  # noqa: E402
-from workloads import (  # noqa: E402
+import torch
+from torch import nn
+from workloads import (
     MEMORY_CHILD_ENV,
     WORKLOADS,
     Timing,
@@ -58,6 +52,12 @@ from workloads import (  # noqa: E402
     time_interleaved,
     use_all_cores,
 )
+
+from privacy_engine import GradSampleModule
+from privacy_engine.clipper import PerSampleGradientClipper
+from privacy_engine.ghost_clipping import GhostClippingModule
+from privacy_engine.noise import GaussianNoise
+from privacy_engine.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0

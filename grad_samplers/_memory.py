@@ -22,14 +22,29 @@ from collections.abc import Sequence
 
 import torch
 
-_HUGE_PAGE = 2 << 20
+_THP_SETTINGS = "/sys/kernel/mm/transparent_hugepage"
 # Below this a block spans too few huge pages to matter and the system call would dominate.
 _MIN_ADVISED_BYTES = 4 << 20
+
+
+def _read_setting(name: str) -> str:
+    try:
+        with open(f"{_THP_SETTINGS}/{name}") as setting:
+            return setting.read().strip()
+    except OSError:
+        return ""
+
+
+def _huge_page_bytes() -> int:
+    size = _read_setting("hpage_pmd_size")
+    return int(size) if size.isdigit() else 2 << 20
 
 
 def _load_madvise():
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
+    if "[never]" in _read_setting("enabled"):
+        return None  # the kernel would ignore the advice: save the system calls
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
@@ -40,13 +55,14 @@ def _load_madvise():
     return madvise
 
 
+_HUGE_PAGE = _huge_page_bytes()
 _madvise = _load_madvise()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask the kernel to back ``tensor``'s not-yet-touched memory with huge pages; True if asked.
 
-    Only the whole 2 MiB pages inside the tensor's own bytes are advised, so memory next to it
+    Only the whole huge pages (2 MiB on x86-64) inside the tensor's own bytes are advised, so memory next to it
     (another allocation) is never affected. Call it before writing to the tensor.
     """
     if _madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -69,12 +85,4 @@ def empty_per_sample(shape: Sequence[int], *, dtype: torch.dtype, device: torch.
     return tensor
 
 
-def fresh_copy(tensor: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """A copy of ``tensor`` (times ``scale`` if given) in freshly allocated, huge-page backed memory."""
-    out = empty_per_sample(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    if scale is None:
-        return out.copy_(tensor)
-    return torch.mul(tensor, scale, out=out)
-
-
-__all__ = ["advise_huge_pages", "empty_per_sample", "fresh_copy"]
+__all__ = ["advise_huge_pages", "empty_per_sample"]

@@ -29,15 +29,17 @@ def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -
             # outer products faster than bmm with an inner dimension of 1, and rounds identically.
             torch.mul(backprops.unsqueeze(2), inputs.unsqueeze(1), out=weight_grads)
         else:
-            grads = backprops.to(dtype).reshape(batch_size, -1, backprops.shape[-1])
-            sequences = inputs.to(dtype).reshape(batch_size, -1, inputs.shape[-1])
+            # Positions counted explicitly: reshape(batch, -1, ...) is ambiguous for an empty batch.
+            positions = inputs.shape[1:-1].numel()
+            grads = backprops.to(dtype).reshape(batch_size, positions, backprops.shape[-1])
+            sequences = inputs.to(dtype).reshape(batch_size, positions, inputs.shape[-1])
             torch.bmm(grads.transpose(1, 2), sequences, out=weight_grads)
         per_sample[layer.weight] = weight_grads
     if layer.bias is not None and layer.bias.requires_grad:
         if backprops.dim() == 2:
             per_sample[layer.bias] = backprops
         else:
-            per_sample[layer.bias] = backprops.reshape(batch_size, -1, backprops.shape[-1]).sum(dim=1)
+            per_sample[layer.bias] = backprops.flatten(1, -2).sum(dim=1)
     return per_sample
 
 
@@ -81,10 +83,12 @@ def _linear_operands(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[tor
             f"Linear per-sample norms need a batched input (batch, ..., in_features); got input of shape {shape}. "
             f"Add the batch dimension (input.unsqueeze(0) for a single example)."
         )
-    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+    if inputs.dtype != backprops.dtype:  # autocast: compute in the wider of the two
+        dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+        inputs, backprops = inputs.to(dtype), backprops.to(dtype)
     batch_size, num_positions = backprops.shape[0], math.prod(backprops.shape[1:-1])
-    sequences = inputs.to(dtype).reshape(batch_size, num_positions, inputs.shape[-1])
-    grads = backprops.to(dtype).reshape(batch_size, num_positions, backprops.shape[-1])
+    sequences = inputs.reshape(batch_size, num_positions, inputs.shape[-1])
+    grads = backprops.reshape(batch_size, num_positions, backprops.shape[-1])
     return sequences, grads
 
 
@@ -159,7 +163,7 @@ def linear_weighted_sums(
     """
     sequences, grads = _linear_operands(inputs, backprops)
     in_features, out_features = sequences.shape[-1], grads.shape[-1]
-    per_example = weights.to(grads.dtype).view(-1, 1, 1)
+    per_example = (weights if weights.dtype == grads.dtype else weights.to(grads.dtype)).view(-1, 1, 1)
     # Scale whichever operand is narrower: fewer multiplications, same product.
     if out_features <= in_features or not weight:
         grads = grads * per_example

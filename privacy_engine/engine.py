@@ -13,6 +13,8 @@ Opacus's keyword names are accepted (``module=``, ``data_loader=``, ``grad_sampl
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import numbers
 import os
@@ -21,12 +23,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
-from accountants import Accountant, calibrate_noise_multiplier, make_accountant
+from accountants import (
+    Accountant,
+    CalibrationError,
+    PLDAccountant,
+    calibrate_noise_multiplier,
+    make_accountant,
+)
 from privacy_engine.clip_factors import validate_max_grad_norm
 from privacy_engine.clipper import (
     CLIPPING_MODES,
@@ -37,16 +46,30 @@ from privacy_engine.grad_sample_module import LOSS_REDUCTIONS, GradSampleModule
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.optimizer import DPOptimizer, trainable_parameters
 from privacy_engine.sampling import DPDataLoader
-from privacy_engine.strategy import optimize_banded_toeplitz
+from privacy_engine.strategy import (
+    expected_error,
+    optimize_banded_toeplitz,
+    strategy_loss,
+)
 from privacy_engine.validation import UnsupportedModuleError, find_problems
 
-__all__ = ["PrivacyEngine"]
+__all__ = ["BandCandidate", "NoisePlan", "PrivacyEngine"]
+
+logger = logging.getLogger(__name__)
 
 # Opacus's default accountant is "prv" (a numerical privacy-loss accountant like PLD): it maps to
 # dp-accounting's PLD accountant here.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
 NOISE_MECHANISMS = ("gaussian", "bandmf")
+#: Band counts tried when ``noise_mechanism="bandmf"`` is given without ``num_bands`` (those the
+#: loader and the number of steps allow).
+CANDIDATE_NUM_BANDS = (1, 2, 4, 8, 16, 32, 64)
+# Comparing band counts needs each one's sigma only roughly (the criterion is compared, not
+# promised): a coarser PLD grid and search tolerance make it ~3-5x cheaper. The chosen b is then
+# calibrated again on the engine's own accountant, which is what the guarantee rests on.
+_COMPARISON_PLD_INTERVAL = 1e-3
+_COMPARISON_TOLERANCE = 1e-2
 
 
 def _real(name: str, value: Any) -> float:
@@ -60,6 +83,51 @@ def _pick(name: str, value: Any, opacus_name: str, opacus_value: Any) -> Any:
     if value is not None and opacus_value is not None and value is not opacus_value:
         raise TypeError(f"{name} and {opacus_name} name the same argument; give one of them")
     return opacus_value if value is None else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandCandidate:
+    """One number of bands considered by the automatic choice, with its criterion.
+
+    ``expected_error = strategy_loss * noise_multiplier**2``: the mean expected squared error per
+    coordinate of the noisy prefix sums over ``total_steps`` steps, in units of ``max_grad_norm**2``
+    (``privacy_engine.strategy.expected_error``). ``noise_multiplier`` is the given one
+    (``make_private``) or the one calibrated for this b (``make_private_with_epsilon``, on a
+    coarse grid; ``inf`` if the target is out of reach with this b).
+    """
+
+    num_bands: int
+    noise_multiplier: float
+    strategy_loss: float
+    expected_error: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoisePlan:
+    """What ``make_private`` set up for the noise and the accounting (``engine.noise_plan``).
+
+    ``mechanism``: ``"gaussian"``, ``"bandmf"`` or ``"custom"`` (a ``NoiseMechanism`` passed in).
+    ``coefficients``: the BandMF strategy ``(c_0, ..., c_{b-1})``, None otherwise.
+    ``total_steps``: the steps the strategy was optimised for / the noise calibrated over (None
+    when neither applies). ``group_size`` and ``max_batch_size``: truncated sampling (largest group
+    and the cap), both None otherwise. ``candidates``: the band counts compared when ``num_bands``
+    was chosen automatically (empty otherwise), in increasing b.
+    """
+
+    mechanism: str
+    num_bands: int
+    noise_multiplier: float
+    sample_rate: float
+    expected_batch_size: float
+    coefficients: tuple[float, ...] | None = None
+    total_steps: int | None = None
+    group_size: int | None = None
+    max_batch_size: int | None = None
+    candidates: tuple[BandCandidate, ...] = ()
+
+    @property
+    def num_bands_chosen_automatically(self) -> bool:
+        return bool(self.candidates)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +152,97 @@ class _Plan:
     criterion: Any
     nan_safe: bool
     rescale_to_unit_norm: bool
+    noise_plan: NoisePlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoiseChoice:
+    """The noise mechanism decided before the loader is built (internal)."""
+
+    mechanism: str
+    num_bands: int
+    coefficients: tuple[float, ...] | None
+    make_noise: Callable[[], NoiseMechanism]
+    total_steps: int | None
+    noise_multiplier: float  # inf: to be calibrated
+    candidates: tuple[BandCandidate, ...] = ()
+
+
+class _TruncatedLedger:
+    """The engine's accountant as ``DPOptimizer`` sees it under truncated sampling: every step is
+    recorded with the group size and the cap, so that it is accounted as truncated Poisson
+    sampling (the optimizer itself knows only noise multiplier, sample rate and bands)."""
+
+    def __init__(self, accountant: Accountant, *, group_size: int, max_batch_size: int) -> None:
+        self.accountant = accountant
+        self.group_size = group_size
+        self.max_batch_size = max_batch_size
+
+    def step(self, **kwargs: Any) -> None:
+        self.accountant.step(**kwargs, group_size=self.group_size, max_batch_size=self.max_batch_size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.accountant, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _strategy_coefficients(total_steps: int, num_bands: int) -> tuple[float, ...]:
+    # Deterministic and ~0.1 s for thousands of steps: cached because choosing b optimises one
+    # strategy per candidate, and tutorials repeat the same runs over seeds and epsilons.
+    return tuple(float(c) for c in optimize_banded_toeplitz(total_steps, num_bands))
+
+
+def _frozen_settings(accountant: Accountant) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in accountant.settings().items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_calibration(
+    accountant_type: type, settings: tuple, target_epsilon: float, target_delta: float, sample_rate: float,
+    steps: int, num_bands: int, group_size: int | None, max_batch_size: int | None, tolerance: float,
+) -> float:  # fmt: skip
+    # Calibration is a deterministic function of these arguments (the accountant is rebuilt from
+    # its settings), so caching cannot change a result, only skip recomputing it.
+    accountant = accountant_type(**{k: list(v) if isinstance(v, tuple) else v for k, v in settings})
+    return calibrate_noise_multiplier(
+        target_epsilon, target_delta, sample_rate, steps, accountant=accountant, num_bands=num_bands,
+        group_size=group_size, max_batch_size=max_batch_size, tolerance=tolerance,
+    )  # fmt: skip
+
+
+def _calibrate(accountant: Accountant, target: tuple[float, float], sample_rate: float, steps: int, *,
+               num_bands: int, group_size: int | None, max_batch_size: int | None,
+               tolerance: float | None = None) -> float:  # fmt: skip
+    """Smallest sigma meeting ``target`` for this mechanism on ``accountant``'s kind and settings
+    (``accountants.calibrate_noise_multiplier``, whose guarantee it keeps), cached."""
+    return _cached_calibration(
+        type(accountant), _frozen_settings(accountant), target[0], target[1], float(sample_rate), int(steps),
+        int(num_bands), group_size, max_batch_size, 2e-3 if tolerance is None else float(tolerance),
+    )  # fmt: skip
+
+
+def _comparison_accountant(accountant: Accountant) -> Accountant:
+    if isinstance(accountant, PLDAccountant):
+        return PLDAccountant(value_discretization_interval=max(accountant.value_discretization_interval,
+                                                               _COMPARISON_PLD_INTERVAL))  # fmt: skip
+    return accountant.fresh()
+
+
+def _validated_coefficients(coefficients: Any) -> tuple[float, ...]:
+    try:
+        array = np.asarray(coefficients, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"bandmf_coefficients must be a 1-D sequence of numbers (c_0, ..., c_(b-1)): {error}") from None
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"bandmf_coefficients must be a non-empty 1-D sequence (c_0, ..., c_(b-1)); got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"bandmf_coefficients must all be finite; got {array.tolist()}")
+    if not array[0] > 0:
+        raise ValueError(
+            f"bandmf_coefficients[0] (c_0, the diagonal of the strategy C) must be > 0 so that C is invertible "
+            f"and the noise C^-1 Z defined; got {array[0]!r}. Negate all coefficients if c_0 < 0 (same strategy)."
+        )
+    return tuple(float(c) for c in array)
 
 
 class PrivacyEngine:
@@ -116,6 +275,14 @@ class PrivacyEngine:
             )
         self.accountant_name = self.accountant.name
         self.secure_mode = secure_mode
+        #: The noise set-up of the last ``make_private`` call (bands, coefficients, sigma, the band
+        #: counts compared if ``num_bands`` was chosen automatically); None before any call.
+        self.noise_plan: NoisePlan | None = None
+
+    @property
+    def num_bands(self) -> int | None:
+        """Bands of the last ``make_private`` call's noise (1 for DP-SGD); None before any call."""
+        return None if self.noise_plan is None else self.noise_plan.num_bands
 
     # ------------------------------------------------------------------ public API
     def make_private(
@@ -140,32 +307,45 @@ class PrivacyEngine:
         num_bands: int | None = None,
         bandmf_coefficients: Sequence[float] | None = None,
         total_steps: int | None = None,
+        max_batch_size: int | None = None,
         nan_safe: bool = True,
         rescale_to_unit_norm: bool = False,
     ) -> tuple:
         """Wrap ``model`` (``GradSampleModule``), ``optimizer`` (``DPOptimizer``) and ``loader``
-        (``DPDataLoader``, Poisson sampling) for DP-SGD, and record every step with this engine's
-        accountant.
+        (``DPDataLoader``: Poisson sampling, or cyclic Poisson sampling for BandMF) for private
+        training, and record every step with this engine's accountant.
 
         Guarantee: every argument below is checked before anything is wrapped; on any error the
         model, optimizer and loader are left exactly as they were. After the call, each
-        ``optimizer.step()`` releases clipped-sum-plus-Gaussian-noise gradients and is recorded
-        with ``sample_rate = loader.batch_size / len(dataset)``.
+        ``optimizer.step()`` releases the clipped sum plus this step's noise and is recorded with
+        the mechanism actually run: DP-SGD with ``sample_rate = loader.batch_size / len(dataset)``,
+        or, for BandMF with ``b`` bands, cyclic Poisson sampling from group ``t mod b`` with
+        ``p = b * batch_size / len(dataset)``, which the accountant composes ``ceil(steps / b)``
+        times (the amplified BandMF event); with ``max_batch_size``, as truncated Poisson sampling
+        from the largest group (dp-accounting's ``TruncatedSubsampledGaussianDpEvent``).
+        ``engine.noise_plan`` says what was set up (and ``engine.num_bands`` the bands).
 
-        ======================================  =============================================
-        argument problem                        error (raised before wrapping)
-        ======================================  =============================================
-        optimizer param not in the model        ValueError naming the parameter's position
-        trainable model param not in optimizer  ValueError naming it (freeze it or add it)
-        noise_multiplier < 0, NaN, inf          ValueError naming noise_multiplier
-        max_grad_norm <= 0 or NaN               ValueError naming max_grad_norm
-        max_grad_norm inf with noise > 0        ValueError naming max_grad_norm
-        per_layer list of the wrong length      ValueError: one per layer or per parameter
-        dataset without __len__ / iterable      TypeError naming the data loader's dataset
-        BatchNorm / unsupported layer           UnsupportedModuleError (the core's)
-        noise_seed/noise_generator + secure     ValueError naming the argument
-        unknown clipping / mode / reduction     ValueError naming the argument
-        ======================================  =============================================
+        ==========================================  =============================================
+        argument problem                            error (raised before wrapping)
+        ==========================================  =============================================
+        optimizer param not in the model            ValueError naming the parameter's position
+        trainable model param not in optimizer      ValueError naming it (freeze it or add it)
+        noise_multiplier < 0, NaN, inf              ValueError naming noise_multiplier
+        max_grad_norm <= 0 or NaN                   ValueError naming max_grad_norm
+        max_grad_norm inf with noise > 0            ValueError naming max_grad_norm
+        per_layer list of the wrong length          ValueError: one per layer or per parameter
+        dataset without __len__ / iterable          TypeError naming the data loader's dataset
+        BatchNorm / unsupported layer               UnsupportedModuleError (the core's)
+        noise_seed/noise_generator + secure         ValueError naming the argument
+        unknown clipping / mode / reduction         ValueError naming the argument
+        bandmf with poisson_sampling=False          ValueError naming poisson_sampling
+        num_bands > steps per epoch (len(loader))   ValueError naming num_bands
+        num_bands * batch_size > len(dataset)       ValueError naming num_bands
+        bandmf_coefficients c_0 <= 0 / not finite   ValueError naming bandmf_coefficients
+        bandmf without total_steps / coefficients   ValueError naming total_steps
+        max_batch_size < 1 / without Poisson        ValueError naming max_batch_size
+        max_batch_size with the RDP accountant      NotImplementedError naming PLDAccountant
+        ==========================================  =============================================
 
         Args (ours, then Opacus's name where it differs):
             model (``module``), optimizer, loader (``data_loader``).
@@ -177,7 +357,7 @@ class PrivacyEngine:
                 (``C / sqrt(layers)`` each, total bound ``C``).
             poisson_sampling: Poisson-sample batches (True, what the accounting assumes) or keep
                 the loader (False: its shuffled batches are accounted as if Poisson, an
-                approximation; a warning says so).
+                approximation; a warning says so). BandMF needs True.
             clipping: ``"flat"`` or ``"per_layer"``.
             loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
             batch_first: the batch is dim 0 (True) or dim 1 of the model's inputs.
@@ -189,10 +369,25 @@ class PrivacyEngine:
                 clipping inside the backward pass (``GhostClippingModule``), which then returns
                 ``(module, optimizer, criterion, data_loader)`` as Opacus does.
             criterion: returned (unchanged) in ghost mode; default ``nn.CrossEntropyLoss``.
-            noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation
-                with ``num_bands`` bands and cyclic Poisson sampling; coefficients
-                ``bandmf_coefficients`` or optimised for ``total_steps``), or a ready
-                ``NoiseMechanism``.
+            noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
+                Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands``
+                groups), or a ready ``NoiseMechanism``.
+            num_bands: BandMF bands b (1 is DP-SGD), at most the steps per epoch
+                (``len(loader)``): each of the b groups needs a step every epoch. ``None``: chosen
+                among ``CANDIDATE_NUM_BANDS`` that the loader allows, by the expected squared
+                error of the noisy prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2``.
+                Here sigma is the given one for every b, so the largest strategy gain wins; note
+                that at a fixed sigma more bands mean less amplification and a larger epsilon
+                (``make_private_with_epsilon`` compares b at a fixed budget). The choice is logged
+                (``logging``, INFO) and kept in ``engine.noise_plan``.
+            bandmf_coefficients: the strategy ``(c_0, ..., c_{b-1})``, ``c_0 > 0``; default: the
+                optimal b-banded Toeplitz strategy for ``total_steps`` steps.
+            total_steps: the number of steps the run will take (the strategy is optimised for it;
+                more steps stay private, the strategy is just less tuned).
+            max_batch_size: truncated sampling: each batch holds at most this many real examples
+                (a random subset if more are drawn) and is padded to exactly this size; the padding
+                entries (``loader.padding_mask``) contribute zero after clipping, and the steps are
+                accounted as truncated Poisson sampling (PLD accountant only). DP-SGD or BandMF.
             nan_safe, rescale_to_unit_norm: see ``PerSampleGradientClipper``.
         """
         plan = self._plan(
@@ -213,10 +408,11 @@ class PrivacyEngine:
             num_bands=num_bands,
             bandmf_coefficients=bandmf_coefficients,
             total_steps=total_steps,
+            max_batch_size=max_batch_size,
             nan_safe=nan_safe,
             rescale_to_unit_norm=rescale_to_unit_norm,
         )
-        return self._build(plan, _real("noise_multiplier", noise_multiplier))
+        return self._build(plan)
 
     def make_private_with_epsilon(
         self,
@@ -234,11 +430,18 @@ class PrivacyEngine:
     ) -> tuple:
         """``make_private`` with the smallest noise multiplier that keeps the whole run within
         ``(target_epsilon, target_delta)``: calibrated with ``accountants.calibrate_noise_multiplier``
-        (this engine's accountant kind) over ``steps = epochs * len(loader)`` steps at the private
-        loader's sample rate. ``optimizer.noise_multiplier`` holds the result.
+        (this engine's accountant kind and settings) over ``steps = epochs * len(loader)`` steps of
+        the mechanism run (DP-SGD; BandMF's amplified event with its bands and cyclic sample rate;
+        truncated sampling with ``max_batch_size``). ``optimizer.noise_multiplier`` holds the result.
+
+        BandMF without ``num_bands``: every candidate b (``CANDIDATE_NUM_BANDS`` the loader allows)
+        is calibrated to the target (on a coarser PLD grid, cached), the one with the smallest
+        ``strategy_loss(c_b, steps) * sigma_b^2`` is chosen, logged and kept in
+        ``engine.noise_plan``, and its sigma calibrated again on this engine's accountant.
+        ``total_steps`` defaults to ``epochs * len(loader)``.
 
         Guarantee: running at most ``epochs * len(loader)`` steps (``len`` of the loader passed in;
-        the Poisson loader yields ``round(1/q)`` per epoch, never more) keeps this engine's
+        the private loader yields at most that many per epoch) keeps this engine's
         ``get_epsilon(target_delta) <= target_epsilon``, if nothing else was recorded before.
 
         ==================================  ======================================
@@ -248,6 +451,7 @@ class PrivacyEngine:
         target_delta not in (0, 1)          ValueError naming target_delta
         epochs < 1 / not an int             ValueError naming epochs
         target unreachable                  accountants.CalibrationError
+        (every candidate b, when choosing)
         noise_multiplier also given         TypeError
         other arguments                     as ``make_private``
         ==================================  ======================================
@@ -270,17 +474,9 @@ class PrivacyEngine:
             max_grad_norm=max_grad_norm,
             **self._plan_kwargs(kwargs),
             epochs=int(epochs),
+            target=(target_epsilon, target_delta),
         )
-        steps = int(epochs) * plan.steps_per_epoch
-        noise_multiplier = calibrate_noise_multiplier(
-            target_epsilon,
-            target_delta,
-            plan.sample_rate,
-            steps,
-            accountant=self.accountant.fresh(),
-            num_bands=plan.num_bands,
-        )
-        return self._build(plan, noise_multiplier)
+        return self._build(plan)
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon of everything recorded so far at ``delta`` (the accountant's; ValueError naming
@@ -322,7 +518,7 @@ class PrivacyEngine:
         allowed = {
             "poisson_sampling", "clipping", "loss_reduction", "batch_first", "noise_seed", "noise_generator",
             "grad_sample_mode", "criterion", "noise_mechanism", "num_bands", "bandmf_coefficients",
-            "total_steps", "nan_safe", "rescale_to_unit_norm",
+            "total_steps", "max_batch_size", "nan_safe", "rescale_to_unit_norm",
         }  # fmt: skip
         unknown = sorted(set(kwargs) - allowed)
         if unknown:
@@ -349,9 +545,11 @@ class PrivacyEngine:
         num_bands: int | None = None,
         bandmf_coefficients: Sequence[float] | None = None,
         total_steps: int | None = None,
+        max_batch_size: int | None = None,
         nan_safe: bool = True,
         rescale_to_unit_norm: bool = False,
         epochs: int | None = None,
+        target: tuple[float, float] | None = None,
     ) -> _Plan:
         # --- the three objects
         if model is None or optimizer is None or data_loader is None:
@@ -456,26 +654,55 @@ class PrivacyEngine:
                 if value == 0 or (math.isinf(value) and sigma > 0):
                     raise ValueError(f"max_grad_norm[{index}] must be finite and > 0; got {bound!r}")
 
-        # --- noise mechanism
-        make_noise, bands = self._plan_noise(noise_mechanism, num_bands, bandmf_coefficients, total_steps, epochs,
-                                        data_loader, noise_seed, noise_generator)  # fmt: skip
-
-        # --- the data: sized dataset, sampling
+        # --- the data: a sized, map-style dataset (Poisson and cyclic sampling index into it)
+        wants_bandmf = (isinstance(noise_mechanism, str) and noise_mechanism == "bandmf") or (
+            isinstance(noise_mechanism, NoiseMechanism) and int(getattr(noise_mechanism, "num_bands", 1)) > 1
+        )
         dataset = data_loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(type(dataset), "__len__"):
+            why = (
+                "cyclic Poisson sampling (noise_mechanism='bandmf') splits the examples into fixed groups and "
+                "samples each one independently"
+                if wants_bandmf
+                else "the sample rate and Poisson sampling need the number of examples"
+            )
             raise TypeError(
                 f"data_loader.dataset ({type(dataset).__name__}) must be a sized, map-style dataset (len(dataset) and "
-                f"dataset[i]): the sample rate and Poisson sampling need the number of examples"
+                f"dataset[i]): {why}"
             )
         if len(data_loader) < 1:
             raise ValueError("data_loader is empty")
+        if data_loader.batch_size is None:
+            raise ValueError("data_loader.batch_size is None: build the loader with batch_size set (the expected batch size)")
+        num_examples, batch_size, steps_per_epoch = len(dataset), int(data_loader.batch_size), len(data_loader)
+        if max_batch_size is not None:
+            if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
+                raise ValueError(f"max_batch_size must be an int >= 1 (the cap on real examples per batch) or None; got {max_batch_size!r}")
+            if not poisson_sampling:
+                raise ValueError("max_batch_size (truncated Poisson sampling) needs poisson_sampling=True")
+            max_batch_size = int(max_batch_size)
+            # Raises NotImplementedError naming PLDAccountant if this accountant cannot account for it.
+            self.accountant.fresh().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=0, group_size=1,
+                                         max_batch_size=max_batch_size)  # fmt: skip
+
+        # --- noise mechanism (and, when asked to choose, the number of bands)
+        choice = self._plan_noise(
+            noise_mechanism=noise_mechanism, num_bands=num_bands, bandmf_coefficients=bandmf_coefficients,
+            total_steps=total_steps, epochs=epochs, noise_seed=noise_seed, noise_generator=noise_generator,
+            noise_multiplier=sigma, target=target, poisson_sampling=poisson_sampling, num_examples=num_examples,
+            batch_size=batch_size, steps_per_epoch=steps_per_epoch, max_batch_size=max_batch_size,
+        )  # fmt: skip
+        bands = choice.num_bands
+
+        # --- sampling
         sampling_generator = noise_generator
         if self.secure_mode:
             sampling_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-        if bands > 1:
-            if not poisson_sampling:
-                raise ValueError("noise_mechanism='bandmf' needs poisson_sampling=True (cyclic Poisson sampling)")
-            private_loader = DPDataLoader.cyclic(data_loader, bands, generator=sampling_generator)
+        if bands > 1 or max_batch_size is not None:
+            # One epoch is len(data_loader) steps, so epochs * len(data_loader) (what calibration
+            # assumes) is exactly what the loop runs; the step counter runs on across epochs.
+            private_loader = DPDataLoader.cyclic(data_loader, bands, max_batch_size=max_batch_size,
+                                                 generator=sampling_generator, steps=steps_per_epoch)  # fmt: skip
         elif poisson_sampling:
             private_loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
@@ -483,12 +710,33 @@ class PrivacyEngine:
         if isinstance(private_loader, DPDataLoader):
             sample_rate, expected_batch_size = private_loader.sample_rate, private_loader.expected_batch_size
         else:
-            if data_loader.batch_size is None:
-                raise ValueError("data_loader.batch_size is None: build the loader with batch_size set")
-            sample_rate, expected_batch_size = 1.0 / len(data_loader), float(data_loader.batch_size)
+            sample_rate, expected_batch_size = 1.0 / steps_per_epoch, float(batch_size)
+        group_size = None
+        if max_batch_size is not None:
+            # Accounted over the largest group: truncation's privacy analysis depends on the number
+            # of examples sampled from, and every group must be covered.
+            group_size = max(int(group.numel()) for group in private_loader.batch_sampler.groups)
+
+        # --- the noise multiplier: given, or calibrated for the mechanism now fixed
+        noise_multiplier = choice.noise_multiplier
+        if target is not None:
+            noise_multiplier = _calibrate(self.accountant, target, sample_rate, epochs * steps_per_epoch, num_bands=bands,
+                                          group_size=group_size, max_batch_size=max_batch_size)  # fmt: skip
         # Validates what the accountant will be given, recording nothing.
-        self.accountant.step(noise_multiplier=0.0 if sigma == math.inf else sigma, sample_rate=sample_rate,
-                             num_steps=0, num_bands=bands)  # fmt: skip
+        self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=bands,
+                             group_size=group_size, max_batch_size=max_batch_size)  # fmt: skip
+        noise_plan = NoisePlan(
+            mechanism=choice.mechanism,
+            num_bands=bands,
+            noise_multiplier=noise_multiplier,
+            sample_rate=sample_rate,
+            expected_batch_size=expected_batch_size,
+            coefficients=choice.coefficients,
+            total_steps=choice.total_steps if target is None else (choice.total_steps or epochs * steps_per_epoch),
+            group_size=group_size,
+            max_batch_size=max_batch_size,
+            candidates=choice.candidates,
+        )
 
         return _Plan(
             model=model,
@@ -496,33 +744,57 @@ class PrivacyEngine:
             private_loader=private_loader,
             sample_rate=sample_rate,
             expected_batch_size=expected_batch_size,
-            steps_per_epoch=len(data_loader),
+            steps_per_epoch=steps_per_epoch,
             params=params,
             groups=groups,
             clipping=clipping,
             max_grad_norm=max_grad_norm,
             loss_reduction=loss_reduction,
             batch_first=batch_first,
-            make_noise=make_noise,
+            make_noise=choice.make_noise,
             num_bands=bands,
             grad_sample_mode=grad_sample_mode,
             criterion=criterion,
             nan_safe=nan_safe,
             rescale_to_unit_norm=rescale_to_unit_norm,
+            noise_plan=noise_plan,
         )
+
+    @staticmethod
+    def _check_num_bands(num_bands: int, *, num_examples: int, batch_size: int, steps_per_epoch: int) -> None:
+        if num_bands > steps_per_epoch:
+            raise ValueError(
+                f"num_bands={num_bands} exceeds the {steps_per_epoch} steps per epoch of data_loader (len(data_loader)): "
+                f"cyclic sampling gives each of the b groups its own steps, and every group needs at least one step "
+                f"per epoch. Use num_bands <= {steps_per_epoch}, or a smaller batch_size (more steps per epoch)."
+            )
+        if num_bands * batch_size > num_examples:
+            raise ValueError(
+                f"num_bands={num_bands} with batch_size={batch_size} needs {num_bands * batch_size} examples per cycle "
+                f"but the dataset has {num_examples}: each group of ~{num_examples // num_bands} examples would be "
+                f"sampled with probability > 1. Use num_bands <= {num_examples // batch_size} or a smaller batch_size."
+            )
 
     def _plan_noise(
         self,
+        *,
         noise_mechanism: Any,
         num_bands: Any,
         bandmf_coefficients: Any,
         total_steps: Any,
         epochs: int | None,
-        data_loader: DataLoader,
         noise_seed: int | None,
         noise_generator: torch.Generator | None,
-    ) -> tuple[Callable[[], NoiseMechanism], int]:
-        """A builder of the noise mechanism (called only once nothing can fail) and its bands."""
+        noise_multiplier: float,
+        target: tuple[float, float] | None,
+        poisson_sampling: bool,
+        num_examples: int,
+        batch_size: int,
+        steps_per_epoch: int,
+        max_batch_size: int | None,
+    ) -> _NoiseChoice:
+        """The noise mechanism: a builder (called only once nothing can fail), its bands and, for
+        BandMF without ``num_bands``, the band counts compared and the one chosen."""
         secure_mode = self.secure_mode
 
         def seed() -> int | None:
@@ -538,34 +810,132 @@ class PrivacyEngine:
                 raise ValueError(f"noise_mechanism.secure_mode must match the engine's secure_mode={self.secure_mode}")
             if noise_mechanism.step != 0:
                 raise ValueError("noise_mechanism has already been used; pass a fresh one")
-            return (lambda: noise_mechanism), int(getattr(noise_mechanism, "num_bands", 1))
-        if noise_mechanism not in NOISE_MECHANISMS:
+            bands = int(getattr(noise_mechanism, "num_bands", 1))
+            if bands > 1:
+                if not poisson_sampling:
+                    raise ValueError("poisson_sampling must be True for a BandMF noise mechanism (cyclic Poisson sampling)")
+                self._check_num_bands(bands, num_examples=num_examples, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+            coefficients = getattr(noise_mechanism, "coefficients", None)
+            return _NoiseChoice(
+                mechanism="custom", num_bands=bands, make_noise=lambda: noise_mechanism, total_steps=None,
+                coefficients=None if coefficients is None else tuple(float(c) for c in coefficients),
+                noise_multiplier=noise_multiplier,
+            )  # fmt: skip
+        if not isinstance(noise_mechanism, str) or noise_mechanism not in NOISE_MECHANISMS:
             raise ValueError(f"noise_mechanism must be one of {NOISE_MECHANISMS} or a NoiseMechanism; got {noise_mechanism!r}")
         if noise_mechanism == "gaussian":
             if num_bands not in (None, 1) or bandmf_coefficients is not None:
                 raise ValueError("num_bands / bandmf_coefficients need noise_mechanism='bandmf'")
-            return (lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode)), 1
-        if isinstance(num_bands, bool) or not isinstance(num_bands, numbers.Integral) or num_bands < 1:
-            raise ValueError(f"num_bands must be an int >= 1 with noise_mechanism='bandmf'; got {num_bands!r}")
-        if bandmf_coefficients is None:
-            steps = total_steps
-            if steps is None and epochs is not None:
-                steps = epochs * len(data_loader)
-            if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < num_bands:
+            return _NoiseChoice(
+                mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None, noise_multiplier=noise_multiplier,
+                make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode),
+            )  # fmt: skip
+
+        # --- BandMF
+        if not poisson_sampling:
+            raise ValueError(
+                "noise_mechanism='bandmf' needs poisson_sampling=True: its privacy rests on cyclic Poisson sampling "
+                "(every example in one of b groups, each sampled only every b steps)"
+            )
+        if num_bands is not None and (isinstance(num_bands, bool) or not isinstance(num_bands, numbers.Integral) or num_bands < 1):
+            raise ValueError(f"num_bands must be an int >= 1 (or None to choose it) with noise_mechanism='bandmf'; got {num_bands!r}")
+        coefficients = None
+        if bandmf_coefficients is not None:
+            coefficients = _validated_coefficients(bandmf_coefficients)
+            if num_bands is not None and len(coefficients) != num_bands:
+                raise ValueError(f"bandmf_coefficients has {len(coefficients)} entries but num_bands={num_bands}")
+            num_bands = len(coefficients)
+        if num_bands is not None:
+            num_bands = int(num_bands)
+            self._check_num_bands(num_bands, num_examples=num_examples, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+        steps = total_steps
+        if steps is None and epochs is not None:
+            steps = epochs * steps_per_epoch
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
+            raise ValueError(f"total_steps must be an int >= 1 (the number of steps of the run); got {total_steps!r}")
+        if coefficients is None:
+            if steps is None:
                 raise ValueError(
-                    f"total_steps must be an int >= num_bands to optimise the BandMF strategy (or give "
-                    f"bandmf_coefficients); got {total_steps!r}"
+                    "total_steps is needed with noise_mechanism='bandmf' (the strategy is optimised for the number of "
+                    "steps of the run), unless you give bandmf_coefficients"
                 )
-            bandmf_coefficients = optimize_banded_toeplitz(int(steps), int(num_bands))
-        # Built once here to validate the coefficients; the real one is built (seeded) at the end.
-        probe = BandMFNoise(bandmf_coefficients, seed=0)
-        if probe.num_bands != num_bands:
-            raise ValueError(f"bandmf_coefficients has {probe.num_bands} entries but num_bands={num_bands}")
-        coefficients = probe.coefficients
-        return (lambda: BandMFNoise(coefficients, seed=seed(), secure_mode=secure_mode)), probe.num_bands
+            if num_bands is not None and steps < num_bands:
+                raise ValueError(f"total_steps={steps} is smaller than num_bands={num_bands}: use num_bands <= total_steps")
+        steps = None if steps is None else int(steps)
+
+        candidates: tuple[BandCandidate, ...] = ()
+        if num_bands is None:
+            allowed = [b for b in CANDIDATE_NUM_BANDS
+                       if b <= steps_per_epoch and b * batch_size <= num_examples and b <= steps]  # fmt: skip
+            candidates = self._compare_num_bands(
+                allowed, total_steps=steps, noise_multiplier=noise_multiplier, target=target,
+                accounted_steps=None if epochs is None else epochs * steps_per_epoch, num_examples=num_examples,
+                batch_size=batch_size, max_batch_size=max_batch_size,
+            )  # fmt: skip
+            best = min(candidates, key=lambda c: (c.expected_error, c.strategy_loss, c.num_bands))
+            num_bands = best.num_bands
+            how = ("at the given noise_multiplier" if target is None
+                   else f"each b with its own noise_multiplier calibrated to (epsilon, delta) = {target}")  # fmt: skip
+            logger.info(
+                "noise_mechanism='bandmf': num_bands=%d chosen among %s by the expected squared error of the noisy "
+                "prefix sums over %d steps (strategy_loss * noise_multiplier^2, %s): %s",
+                num_bands, [c.num_bands for c in candidates], steps, how,
+                ", ".join(f"b={c.num_bands}: {c.expected_error:.4g} (sigma {c.noise_multiplier:.4g})" for c in candidates),
+            )  # fmt: skip
+        if coefficients is None:
+            coefficients = _strategy_coefficients(steps, num_bands)
+        # Built once here to validate; the real one is built (seeded) when nothing can fail any more.
+        BandMFNoise(coefficients, seed=0)
+        return _NoiseChoice(
+            mechanism="bandmf", num_bands=num_bands, coefficients=coefficients, total_steps=steps,
+            noise_multiplier=noise_multiplier, candidates=candidates,
+            make_noise=lambda: BandMFNoise(coefficients, seed=seed(), secure_mode=secure_mode),
+        )  # fmt: skip
+
+    def _compare_num_bands(
+        self,
+        allowed: list[int],
+        *,
+        total_steps: int,
+        noise_multiplier: float,
+        target: tuple[float, float] | None,
+        accounted_steps: int | None,
+        num_examples: int,
+        batch_size: int,
+        max_batch_size: int | None,
+    ) -> tuple[BandCandidate, ...]:
+        """The criterion ``strategy_loss(c_b, total_steps) * sigma_b^2`` for every allowed b.
+
+        sigma_b is ``noise_multiplier`` (given) or calibrated to ``target`` for b's own mechanism:
+        sample rate ``b * batch_size / num_examples``, ``ceil(steps / b)`` participations, and
+        truncation from a group of ``ceil(num_examples / b)`` (the largest of the equal split).
+        """
+        comparison = _comparison_accountant(self.accountant)
+        candidates = []
+        unreachable: CalibrationError | None = None
+        for bands in allowed:
+            coefficients = _strategy_coefficients(total_steps, bands)
+            loss = strategy_loss(coefficients, total_steps)
+            sigma = noise_multiplier
+            if target is not None:
+                group_size = -(-num_examples // bands) if max_batch_size is not None else None
+                try:
+                    sigma = _calibrate(comparison, target, bands * batch_size / num_examples, accounted_steps,
+                                       num_bands=bands, group_size=group_size, max_batch_size=max_batch_size,
+                                       tolerance=_COMPARISON_TOLERANCE)  # fmt: skip
+                except CalibrationError as error:
+                    if not error.unreachable:
+                        raise
+                    unreachable, sigma = error, math.inf
+            error = math.inf if math.isinf(sigma) else expected_error(coefficients, total_steps, sigma)
+            candidates.append(BandCandidate(num_bands=bands, noise_multiplier=sigma, strategy_loss=loss, expected_error=error))
+        if unreachable is not None and all(math.isinf(c.noise_multiplier) for c in candidates):
+            raise unreachable
+        return tuple(candidates)
 
     # ------------------------------------------------------------------ building
-    def _build(self, plan: _Plan, noise_multiplier: float) -> tuple:
+    def _build(self, plan: _Plan) -> tuple:
+        noise_multiplier = plan.noise_plan.noise_multiplier
         clipper = PerSampleGradientClipper(
             plan.params,
             plan.max_grad_norm,
@@ -581,6 +951,10 @@ class PrivacyEngine:
                 "poisson_sampling=False: batches are the loader's own (shuffled, fixed size), but the accountant "
                 "treats them as Poisson samples with rate 1/len(loader); the reported epsilon is an approximation"
             )
+        ledger: Any = self.accountant
+        if plan.noise_plan.max_batch_size is not None:
+            ledger = _TruncatedLedger(self.accountant, group_size=plan.noise_plan.group_size,
+                                      max_batch_size=plan.noise_plan.max_batch_size)  # fmt: skip
         dp_optimizer = DPOptimizer(
             plan.optimizer,
             noise_multiplier=noise_multiplier,
@@ -588,10 +962,11 @@ class PrivacyEngine:
             loss_reduction=plan.loss_reduction,
             clipper=clipper,
             noise=plan.make_noise(),
-            accountant=self.accountant,
+            accountant=ledger,
             sample_rate=plan.sample_rate,
             padding_mask_source=padding_mask_source,
         )
+        self.noise_plan = plan.noise_plan
         # Wrapped last: its constructor hooks the model, and nothing after it can fail.
         if plan.grad_sample_mode != "ghost":
             wrapped = GradSampleModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
@@ -600,6 +975,8 @@ class PrivacyEngine:
         from privacy_engine.ghost_clipping import GhostClippingModule
 
         ghost = GhostClippingModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
+        # The optimizer's current_padding_mask follows the loader's mask (and VirtualSteps' slices
+        # of it), so padding examples contribute zero in ghost mode as well.
         ghost.attach_clipper(clipper, padding_mask_source=dp_optimizer.current_padding_mask)
         # Opacus returns a wrapped criterion in ghost mode; here clipping happens inside the ordinary
         # backward pass, so the criterion is returned as given (default: cross-entropy).

@@ -162,7 +162,7 @@ class _BackwardPass:
         self.shared = shared
         self.batch: tuple[str, int] | None = None
         self.squared_norms: dict[nn.Parameter, torch.Tensor] = {}  # unscaled, summed over disjoint rows
-        self.deferred: list[tuple[_Use, tuple, torch.Tensor]] = []  # (use, activations, G) for the sums
+        self.deferred: list[tuple[_Use, Callable, tuple, torch.Tensor]] = []  # (use, sums, activations, G)
         self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
 
     def note_batch(self, path: str, batch_size: int) -> None:
@@ -313,6 +313,8 @@ class GhostClippingModule(GradSampleModule):
         if padding_mask_source is not None and not callable(padding_mask_source):
             raise TypeError("padding_mask_source must be a callable returning a bool tensor or None")
         self._clipper = clipper
+        self._clipper_param_ids = known
+        self._clipper_takes_ownership = _takes_ownership(clipper)
         self._padding_mask_source = padding_mask_source
 
     @property
@@ -381,6 +383,10 @@ class GhostClippingModule(GradSampleModule):
         sum_sampler = weighted_sum_sampler_for(layer)
         plain_linear = type(layer) is nn.Linear
         safe_type = type(layer) in _OUTPUT_NOT_SAVED
+        has_norm_form = norm_sampler is not None and sum_sampler is not None
+        norms = partial(norm_sampler, layer) if has_norm_form else None
+        sums = partial(sum_sampler, layer) if has_norm_form else None
+        grads = partial(sampler, layer)
 
         def forward(*args, **kwargs):
             if self._inside_fallback or not (layer.training and torch.is_grad_enabled()):
@@ -415,9 +421,9 @@ class GhostClippingModule(GradSampleModule):
                 layer=layer,
                 parts=tuple((param, None) for _, param in trainable),
                 activations=tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                norms=None if norm_sampler is None or sum_sampler is None else partial(norm_sampler, layer),
-                sums=None if norm_sampler is None or sum_sampler is None else partial(sum_sampler, layer),
-                grads=partial(sampler, layer),
+                norms=norms,
+                sums=sums,
+                grads=grads,
             )
             return self._gate_output(use, output, safe_type, args)
 
@@ -625,18 +631,31 @@ class GhostClippingModule(GradSampleModule):
             for param, _ in use.parts:
                 state.add_squared(param, grads.new_zeros(0))
             return
-        materialise = use.norms is None or any(param in state.shared for param, _ in use.parts)
-        if materialise:
+        # Keep per-example gradients or (inputs, output gradient) until the end of backward, whichever
+        # is smaller: when the per-example gradients are the smaller, forming them also costs no more
+        # than a norm plus a second weight-gradient product for the sum (the direct form).
+        shared = any(param in state.shared for param, _ in use.parts)
+        per_sample_bytes = batch_size * grads.element_size() * sum(math.prod(_row_shape(p, r)) for p, r in use.parts)
+        held_bytes = sum(_tensor_bytes(value) for value in (grads, *activations))
+        if shared or use.norms is None or per_sample_bytes <= held_bytes:
             per_sample = use.grads(activations, grads)
             _check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *_row_shape(p, r)))
-            for param, rows in use.parts:
-                state.add_materialised(param, rows, per_sample[param])
+            if shared or per_sample_bytes <= held_bytes:
+                for param, rows in use.parts:
+                    state.add_materialised(param, rows, per_sample[param])
+                return
+            # No norm-only form and large per-example gradients: reduce them to norms, free them, and
+            # form the sum later from the kept inputs and output gradient.
+            for param, _ in use.parts:
+                state.add_squared(param, per_sample[param].flatten(1).square().sum(dim=1))
+            del per_sample
+            state.deferred.append((use, partial(_weighted_sum_by_materialising, use.grads), activations, grads))
             return
         squared = use.norms(activations, grads)
         _check_sampler_result("norm", use, squared, lambda p, r: (batch_size,))
         for param, _ in use.parts:
             state.add_squared(param, squared[param])
-        state.deferred.append((use, activations, grads))
+        state.deferred.append((use, use.sums, activations, grads))
 
     def _on_fallback_grad(self, use: _Use, param: nn.Parameter, grads: torch.Tensor) -> None:
         state = self._current_pass()
@@ -670,11 +689,17 @@ class GhostClippingModule(GradSampleModule):
         # The output gradients were kept unscaled: fold the loss reduction's factor into norms and weights.
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         with torch.no_grad():
-            squared = {param: value * (scale * scale) for param, value in state.squared_norms.items()}
+            squared = dict(state.squared_norms)
             for param, grads in state.materialised.items():
-                squared[param] = grads.flatten(1).square().sum(dim=1) * (scale * scale)
-            self._check_known(clipper, squared)
+                # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
+                materialised_squared = grads.flatten(1).square().sum(dim=1)
+                previous = squared.get(param)
+                squared[param] = materialised_squared if previous is None else previous + materialised_squared
+            self._check_known(squared)
+            # Norms are homogeneous: scaling the (unscaled-gradient) norms once equals scaling every G.
             norms = clipper.group_norms_from_squared(squared)
+            if scale != 1.0:
+                norms = norms * scale
             factors = clipper.clip_factors_for_norms(norms, padding_mask=padding_mask)
             # A zero factor does not cancel a NaN/Inf in that example's rows: zero them (only needed
             # when some norm is non-finite, as every entry then shows in its norm).
@@ -686,7 +711,7 @@ class GhostClippingModule(GradSampleModule):
             while deferred:
                 # Popped one at a time so each layer's inputs and output gradient are freed as soon as
                 # its sum exists: the peak stays near the larger of "all of them" and "all the sums".
-                use, activations, grads = deferred.pop()
+                use, weighted_sums, activations, grads = deferred.pop()
                 columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
                 for param, rows in use.parts:
                     columns.setdefault(clipper.group_index(param), []).append((param, rows))
@@ -697,11 +722,11 @@ class GhostClippingModule(GradSampleModule):
                         keep = column_weights != 0
                         column_activations = tuple(_zero_rows(a, keep) for a in activations)
                         column_grads = _zero_rows(grads, keep)
-                    result = use.sums(column_activations, column_grads, column_weights)
+                    result = weighted_sums(column_activations, column_grads, column_weights)
                     _check_sampler_result("weighted-sum", use, result, _row_shape)
                     for param, rows in parts:
                         _add_rows(sums, param, rows, result[param])
-                del use, activations, grads, column_activations, column_grads, result
+                del use, weighted_sums, activations, grads, column_activations, column_grads, result
             materialised, state.materialised = state.materialised, {}
             while materialised:
                 param, grads = materialised.popitem()
@@ -711,19 +736,30 @@ class GhostClippingModule(GradSampleModule):
                 _add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))
                 del grads
             self.last_per_sample_norms = norms
-            if _takes_ownership(clipper):
+            if self._clipper_takes_ownership:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
             else:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
 
-    def _check_known(self, clipper, squared: dict[nn.Parameter, torch.Tensor]) -> None:
-        known = {id(p) for p in clipper.params}
-        unknown = [name for name, p in self._module.named_parameters() if p in squared and id(p) not in known]
-        if unknown:
-            raise ValueError(
-                f"parameters {unknown} were trained but are not held by the clipper (unfrozen after "
-                f"attach_clipper?); attach a clipper over every trainable parameter"
-            )
+    def _check_known(self, squared: dict[nn.Parameter, torch.Tensor]) -> None:
+        if all(id(param) in self._clipper_param_ids for param in squared):
+            return
+        unknown = [name for name, p in self._module.named_parameters() if p in squared and id(p) not in self._clipper_param_ids]
+        raise ValueError(
+            f"parameters {unknown} were trained but are not held by the clipper (unfrozen after "
+            f"attach_clipper?); attach a clipper over every trainable parameter"
+        )
+
+
+def _tensor_bytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, grads: torch.Tensor, weights: torch.Tensor):
+    """``sum_i weights[i] g_i`` through a grad sampler: per-example gradients are linear in the output
+    gradient, so those of ``weights[i] * G_i`` summed over examples are the weighted sum."""
+    scaled = grads * weights.to(grads.dtype).view(-1, *([1] * (grads.dim() - 1)))
+    return {param: per_sample.sum(dim=0) for param, per_sample in grad_sampler(activations, scaled).items()}
 
 
 def _takes_ownership(clipper) -> bool:

@@ -77,6 +77,16 @@ class GradSampleModule(nn.Module):
             gradients of the offending modules are then not trustworthy).
     """
 
+    def __new__(cls, *args, grad_sample_mode: str = "hooks", **kwargs):
+        # grad_sample_mode="ghost" builds the fast-clipping subclass (privacy_engine.ghost_clipping).
+        if grad_sample_mode not in ("hooks", "ghost"):
+            raise ValueError(f"grad_sample_mode must be 'hooks' or 'ghost'; got {grad_sample_mode!r}")
+        if grad_sample_mode == "ghost" and cls is GradSampleModule:
+            from privacy_engine.ghost_clipping import GhostClippingModule
+
+            return super().__new__(GhostClippingModule)
+        return super().__new__(cls)
+
     def __init__(
         self,
         module: nn.Module,
@@ -84,6 +94,7 @@ class GradSampleModule(nn.Module):
         batch_first: bool = True,
         loss_reduction: str = "mean",
         strict: bool = True,
+        grad_sample_mode: str = "hooks",  # dispatched in __new__
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"GradSampleModule wraps an nn.Module; got {type(module).__name__}")

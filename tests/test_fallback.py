@@ -237,11 +237,6 @@ def test_frozen_parameter_inside_a_fallback_module_gets_nothing():
     assert getattr(model[0].child.weight, "grad_sample", None) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="functorch_fallback calls module(...) through functional_call inside vmap (its original_forward "
-    "argument is unused), so the module's own forward hooks run a second time, on BatchedTensors",
-)
 def test_user_forward_hooks_on_a_fallback_module_run_once_per_call():
     model = nn.Sequential(nn.Linear(5, 4), Scale(4)).to(DOUBLE)
     calls = []

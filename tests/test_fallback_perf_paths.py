@@ -289,3 +289,17 @@ def test_huge_page_advice_keeps_contents_and_layout():
     tensor.copy_(values)
     assert torch.equal(tensor, values)
     assert advise_huge_pages(torch.zeros(8)) is False  # small tensors are left alone
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (0, 4, 5), (2, 0, 5)], ids=["empty_batch", "empty_batch_3d", "no_positions"])
+def test_linear_per_sample_gradients_of_empty_inputs_are_zero_sized_or_zero(shape):
+    from grad_samplers.linear import linear_grad_sample
+
+    layer = nn.Linear(5, 3).to(DOUBLE)
+    inputs = torch.randn(*shape, dtype=DOUBLE)
+    backprops = torch.randn(*shape[:-1], 3, dtype=DOUBLE)
+    per_sample = linear_grad_sample(layer, (inputs,), backprops)
+    assert per_sample[layer.weight].shape == (shape[0], 3, 5)
+    assert per_sample[layer.bias].shape == (shape[0], 3)
+    # No positions: every example's gradient is exactly zero (never uninitialised memory).
+    assert torch.equal(per_sample[layer.weight], torch.zeros(shape[0], 3, 5, dtype=DOUBLE))

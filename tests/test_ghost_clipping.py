@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grad_samplers.linear import linear_grad_sample, linear_squared_norms, linear_weight_norm_form, linear_weighted_sums
+from grad_samplers.linear import (
+    linear_grad_sample,
+    linear_squared_norms,
+    linear_weight_norm_form,
+    linear_weighted_sums,
+)
 from privacy_engine import GradSampleModule, ParameterUsageError
 from privacy_engine.clip_factors import clip_factors
 from privacy_engine.clipper import PerSampleGradientClipper, parameter_groups
@@ -27,7 +32,7 @@ from privacy_engine.noise import BandMFNoise, GaussianNoise
 from privacy_engine.optimizer import DPOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from workloads import build_cnn, build_mlp, build_transformer  # noqa: E402
+from workloads import build_cnn, build_mlp, build_transformer
 
 DOUBLE = torch.float64
 MAX_GRAD_NORM = 0.7
@@ -495,6 +500,27 @@ def test_dp_optimizer_step_equals_materialised_step(noise):
         results.append([p.detach().clone() for p in copy_.parameters()])
     for materialised, ghost in zip(*results):
         assert_relatively_close(ghost, materialised, 1e-10)
+
+
+class PlainMatrix(nn.Linear):
+    """A Linear subclass: registered below with a grad sampler only (no norm or weighted-sum form)."""
+
+
+@pytest.mark.parametrize("width", [2, 24])
+def test_layer_without_norm_sampler_materialises(restore_sampler_registry, width):
+    """Without a norm sampler the per-example gradients are formed: kept to the end of backward when
+    they are smaller than the layer's inputs and output gradient (width 2), otherwise reduced to norms
+    and freed, the sum then re-formed from the kept inputs (width 24). Both exact; the subclass is not
+    known to leave its output unsaved, so the gate copies it."""
+    restore_sampler_registry.register_grad_sampler(PlainMatrix)(linear_grad_sample)
+    torch.manual_seed(0)
+    model = nn.Sequential(PlainMatrix(3, width), nn.ReLU(inplace=True), nn.Linear(width, 2)).to(DOUBLE)
+    inputs = (torch.randn(4, 6, 3, dtype=DOUBLE),)
+    target = torch.randn(4, 6, 2, dtype=DOUBLE)
+    expected, _, scales = reference_clipped_sum(model, inputs, target)
+    sums, _ = ghost_clipped_sum(copy.deepcopy(model), inputs, target)
+    for name in expected:
+        assert_relatively_close(sums[name], expected[name], 1e-10, name, scales[name])
 
 
 # ---------------------------------------------------------------------------------------------- errors
