@@ -173,9 +173,10 @@ def linear_weighted_sums(
     weight_sum = flat_grads.t().mm(sequences.reshape(-1, in_features)) if weight else None
     bias_sum = None
     if bias:
-        bias_sum = flat_grads.sum(dim=0) if (out_features <= in_features or not weight) else torch.mv(
-            flat_grads.t(), per_example.expand(-1, grads.shape[1], 1).reshape(-1)
-        )
+        if out_features <= in_features or not weight:
+            bias_sum = flat_grads.sum(dim=0)
+        else:  # the gradients were left unscaled: weight each example's summed rows
+            bias_sum = torch.mv(grads.sum(dim=1).t(), per_example.view(-1))
     return weight_sum, bias_sum
 
 

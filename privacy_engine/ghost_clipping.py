@@ -268,10 +268,15 @@ class GhostClippingModule(GradSampleModule):
         loss_reduction: str = "mean",
         strict: bool = True,
         clipper=None,
+        per_sample_memory_ratio: float = 2.0,
         grad_sample_mode: str = "ghost",
     ) -> None:
         if grad_sample_mode != "ghost":
             raise ValueError(f"GhostClippingModule needs grad_sample_mode='ghost'; got {grad_sample_mode!r}")
+        ratio = float(per_sample_memory_ratio)
+        if math.isnan(ratio) or ratio < 0:
+            raise ValueError(f"per_sample_memory_ratio must be >= 0 (inf: always keep); got {per_sample_memory_ratio!r}")
+        self.per_sample_memory_ratio = ratio
         # Set before the base class attaches (it calls self._attach for every layer).
         self._pending: weakref.WeakSet[_Use] = weakref.WeakSet()
         self._pass: _BackwardPass | None = None
@@ -637,10 +642,11 @@ class GhostClippingModule(GradSampleModule):
         shared = any(param in state.shared for param, _ in use.parts)
         per_sample_bytes = batch_size * grads.element_size() * sum(math.prod(_row_shape(p, r)) for p, r in use.parts)
         held_bytes = sum(_tensor_bytes(value) for value in (grads, *activations))
-        if shared or use.norms is None or per_sample_bytes <= held_bytes:
+        keep_per_sample = per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
+        if shared or use.norms is None or keep_per_sample:
             per_sample = use.grads(activations, grads)
             _check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *_row_shape(p, r)))
-            if shared or per_sample_bytes <= held_bytes:
+            if shared or keep_per_sample:
                 for param, rows in use.parts:
                     state.add_materialised(param, rows, per_sample[param])
                 return

@@ -24,7 +24,7 @@ from grad_samplers.linear import (
     linear_weight_norm_form,
     linear_weighted_sums,
 )
-from privacy_engine import GradSampleModule, ParameterUsageError
+from privacy_engine import GradSampleModule, ParameterUsageError, ghost_clipping
 from privacy_engine.clip_factors import clip_factors
 from privacy_engine.clipper import PerSampleGradientClipper, parameter_groups
 from privacy_engine.ghost_clipping import GhostClippingModule
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         batch_first = self.attention.batch_first
         attn_mask = key_padding_mask = None
         if self.masked:
-            attn_mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+            attn_mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)  # causal
             key_padding_mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
             key_padding_mask[:, -1] = True
         if not batch_first:
@@ -315,15 +315,17 @@ def test_linear_norms_float32_within_1e5(form_shape):
 
 
 # ---------------------------------------------------------------------------------------------- book-keeping
+_PRODUCTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+
+
 class _MatmulCounter(TorchDispatchMode):
-    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.PRODUCTS
+        self.count += func in _PRODUCTS
         return func(*args, **(kwargs or {}))
 
 
@@ -506,19 +508,25 @@ class PlainMatrix(nn.Linear):
     """A Linear subclass: registered below with a grad sampler only (no norm or weighted-sum form)."""
 
 
-@pytest.mark.parametrize("width", [2, 24])
-def test_layer_without_norm_sampler_materialises(restore_sampler_registry, width):
+@pytest.mark.parametrize("width, re_formed", [(1, False), (24, True)])
+def test_layer_without_norm_sampler_materialises(restore_sampler_registry, monkeypatch, width, re_formed):
     """Without a norm sampler the per-example gradients are formed: kept to the end of backward when
-    they are smaller than the layer's inputs and output gradient (width 2), otherwise reduced to norms
+    they are smaller than the layer's inputs and output gradient (width 1), otherwise reduced to norms
     and freed, the sum then re-formed from the kept inputs (width 24). Both exact; the subclass is not
     known to leave its output unsaved, so the gate copies it."""
     restore_sampler_registry.register_grad_sampler(PlainMatrix)(linear_grad_sample)
+    re_formations = []
+    original = ghost_clipping._weighted_sum_by_materialising
+    monkeypatch.setattr(
+        ghost_clipping, "_weighted_sum_by_materialising", lambda *a: re_formations.append(1) or original(*a)
+    )
     torch.manual_seed(0)
-    model = nn.Sequential(PlainMatrix(3, width), nn.ReLU(inplace=True), nn.Linear(width, 2)).to(DOUBLE)
-    inputs = (torch.randn(4, 6, 3, dtype=DOUBLE),)
-    target = torch.randn(4, 6, 2, dtype=DOUBLE)
+    model = nn.Sequential(PlainMatrix(12, width), nn.ReLU(inplace=True), nn.Linear(width, 2)).to(DOUBLE)
+    inputs = (torch.randn(4, 2, 12, dtype=DOUBLE),)
+    target = torch.randn(4, 2, 2, dtype=DOUBLE)
     expected, _, scales = reference_clipped_sum(model, inputs, target)
     sums, _ = ghost_clipped_sum(copy.deepcopy(model), inputs, target)
+    assert bool(re_formations) == re_formed
     for name in expected:
         assert_relatively_close(sums[name], expected[name], 1e-10, name, scales[name])
 
