@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from privacy_engine.strategy import validated_coefficients
+
 __all__ = ["BandMFNoise", "GaussianNoise", "NoiseMechanism"]
 
 # In secure mode the noise is the sum of this many independent draws (each with std s / 2), one
@@ -500,25 +502,6 @@ class GaussianNoise(NoiseMechanism):
         return f"GaussianNoise(secure_mode={self.secure_mode}, step={self.step})"
 
 
-def _validated_coefficients(coefficients: Any) -> np.ndarray:
-    try:
-        array = np.asarray(coefficients, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"coefficients must be a 1-D sequence of numbers: {error}") from error
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(
-            f"coefficients must be a non-empty 1-D sequence (c_0, ..., c_(b-1)), got shape {array.shape}"
-        )
-    if not np.all(np.isfinite(array)):
-        raise ValueError(f"coefficients must all be finite, got {array.tolist()}")
-    if not array[0] > 0:
-        raise ValueError(
-            f"coefficients[0] (the diagonal c_0 of the strategy) must be > 0 so that C is "
-            f"invertible, got {array[0]}"
-        )
-    return array
-
-
 class BandMFNoise(NoiseMechanism):
     """Banded matrix-factorisation noise: step ``t`` adds row ``t`` of ``C^{-1} Z``.
 
@@ -565,7 +548,7 @@ class BandMFNoise(NoiseMechanism):
     ) -> None:
         if isinstance(coefficients, torch.Tensor):
             coefficients = coefficients.detach().cpu().double().numpy()
-        self.coefficients = _validated_coefficients(coefficients)
+        self.coefficients = validated_coefficients(coefficients)
         if column_normalize_for_steps is not None and (
             isinstance(column_normalize_for_steps, bool)
             or not isinstance(column_normalize_for_steps, (int, np.integer))

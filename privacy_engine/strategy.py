@@ -44,7 +44,9 @@ def _validated_n(n: int, name: str = "n") -> int:
     return int(n)
 
 
-def _validated_coefficients(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
+def validated_coefficients(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The strategy coefficients as a float64 array; ValueError naming ``coefficients`` unless 1-D,
+    non-empty, finite, with c_0 > 0 (C must be invertible)."""
     try:
         array = np.asarray(coefficients, dtype=np.float64)
     except (TypeError, ValueError) as error:
@@ -107,7 +109,7 @@ def strategy_loss(
     ===========================  ======================================================
     """
     n = _validated_n(n)
-    coefficients = _validated_coefficients(coefficients)[:n]
+    coefficients = validated_coefficients(coefficients)[:n]
     if not column_normalized:
         loss, _ = _loss_and_gradient(coefficients, n)
         return loss if math.isfinite(loss) else math.inf
