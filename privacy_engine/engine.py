@@ -9,6 +9,9 @@
 
 Opacus's keyword names are accepted (``module=``, ``data_loader=``, ``grad_sample_mode=``,
 ``noise_generator=``, ...), so an Opacus script switches by changing its import.
+
+BandMF: ``noise_mechanism="bandmf"`` (with ``num_bands=b``, or none to let the engine choose;
+``max_batch_size=`` for fixed-shape, truncated batches); ``engine.noise_plan`` says what was set up.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -36,6 +38,7 @@ from accountants import (
     calibrate_noise_multiplier,
     make_accountant,
 )
+from accountants.calibration import DEFAULT_TOLERANCE
 from privacy_engine.clip_factors import validate_max_grad_norm
 from privacy_engine.clipper import (
     CLIPPING_MODES,
@@ -50,6 +53,7 @@ from privacy_engine.strategy import (
     expected_error,
     optimize_banded_toeplitz,
     strategy_loss,
+    validated_coefficients,
 )
 from privacy_engine.validation import UnsupportedModuleError, find_problems
 
@@ -182,6 +186,9 @@ class _TruncatedLedger:
         self.accountant.step(**kwargs, group_size=self.group_size, max_batch_size=self.max_batch_size)
 
     def __getattr__(self, name: str) -> Any:
+        # Only ordinary attributes are forwarded: copy/pickle probe dunders before __init__ has run.
+        if name.startswith("__") or name == "accountant":
+            raise AttributeError(name)
         return getattr(self.accountant, name)
 
 
@@ -217,7 +224,7 @@ def _calibrate(accountant: Accountant, target: tuple[float, float], sample_rate:
     (``accountants.calibrate_noise_multiplier``, whose guarantee it keeps), cached."""
     return _cached_calibration(
         type(accountant), _frozen_settings(accountant), target[0], target[1], float(sample_rate), int(steps),
-        int(num_bands), group_size, max_batch_size, 2e-3 if tolerance is None else float(tolerance),
+        int(num_bands), group_size, max_batch_size, DEFAULT_TOLERANCE if tolerance is None else float(tolerance),
     )  # fmt: skip
 
 
@@ -229,20 +236,7 @@ def _comparison_accountant(accountant: Accountant) -> Accountant:
 
 
 def _validated_coefficients(coefficients: Any) -> tuple[float, ...]:
-    try:
-        array = np.asarray(coefficients, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"bandmf_coefficients must be a 1-D sequence of numbers (c_0, ..., c_(b-1)): {error}") from None
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"bandmf_coefficients must be a non-empty 1-D sequence (c_0, ..., c_(b-1)); got shape {array.shape}")
-    if not np.all(np.isfinite(array)):
-        raise ValueError(f"bandmf_coefficients must all be finite; got {array.tolist()}")
-    if not array[0] > 0:
-        raise ValueError(
-            f"bandmf_coefficients[0] (c_0, the diagonal of the strategy C) must be > 0 so that C is invertible "
-            f"and the noise C^-1 Z defined; got {array[0]!r}. Negate all coefficients if c_0 < 0 (same strategy)."
-        )
-    return tuple(float(c) for c in array)
+    return tuple(float(c) for c in validated_coefficients(coefficients, name="bandmf_coefficients"))
 
 
 class PrivacyEngine:
@@ -339,7 +333,7 @@ class PrivacyEngine:
         noise_seed/noise_generator + secure         ValueError naming the argument
         unknown clipping / mode / reduction         ValueError naming the argument
         bandmf with poisson_sampling=False          ValueError naming poisson_sampling
-        num_bands > steps per epoch (len(loader))   ValueError naming num_bands
+        num_bands > steps per epoch                 ValueError naming num_bands
         num_bands * batch_size > len(dataset)       ValueError naming num_bands
         bandmf_coefficients c_0 <= 0 / not finite   ValueError naming bandmf_coefficients
         bandmf without total_steps / coefficients   ValueError naming total_steps
@@ -373,9 +367,12 @@ class PrivacyEngine:
                 Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands``
                 groups), or a ready ``NoiseMechanism``.
             num_bands: BandMF bands b (1 is DP-SGD), at most the steps per epoch
-                (``len(loader)``): each of the b groups needs a step every epoch. ``None``: chosen
-                among ``CANDIDATE_NUM_BANDS`` that the loader allows, by the expected squared
-                error of the noisy prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2``.
+                (``round(len(dataset) / batch_size)``, what the private loader yields, as for
+                DP-SGD) and at most ``len(dataset) // batch_size``: each of the b groups needs a
+                step every epoch and enough examples for its sample rate
+                ``b * batch_size / len(dataset)``. ``None``: chosen among
+                ``CANDIDATE_NUM_BANDS`` that the loader allows, by the expected squared error of
+                the noisy prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2``.
                 Here sigma is the given one for every b, so the largest strategy gain wins; note
                 that at a fixed sigma more bands mean less amplification and a larger epsilon
                 (``make_private_with_epsilon`` compares b at a fixed budget). The choice is logged
@@ -438,7 +435,8 @@ class PrivacyEngine:
         is calibrated to the target (on a coarser PLD grid, cached), the one with the smallest
         ``strategy_loss(c_b, steps) * sigma_b^2`` is chosen, logged and kept in
         ``engine.noise_plan``, and its sigma calibrated again on this engine's accountant.
-        ``total_steps`` defaults to ``epochs * len(loader)``.
+        ``total_steps`` (the steps the strategy is optimised for) defaults to the steps the private
+        loader yields in ``epochs`` epochs.
 
         Guarantee: running at most ``epochs * len(loader)`` steps (``len`` of the loader passed in;
         the private loader yields at most that many per epoch) keeps this engine's
@@ -491,25 +489,49 @@ class PrivacyEngine:
         self.accountant.load_state_dict(state["accountant"])
 
     def save_checkpoint(
-        self, *, path: Any, module: nn.Module, optimizer: Optimizer | None = None, checkpoint_dict: dict | None = None
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optimizer | None = None,
+        data_loader: DataLoader | None = None,
+        checkpoint_dict: dict | None = None,
     ) -> None:
-        """Save model, optimizer (with its DP state) and the privacy ledger to ``path`` (Opacus's
-        method name)."""
+        """Save model, optimizer (with its DP state: the noise generators and BandMF's noise
+        history) and the privacy ledger to ``path`` (Opacus's method name), and the private
+        ``data_loader``'s sampling state if given.
+
+        For BandMF pass the loader: its cyclic groups and step counter must carry over, or after
+        resuming an example could land in another group and take part fewer than b steps after
+        its last participation, which the accounting does not allow for.
+        """
         checkpoint = dict(checkpoint_dict or {})
         checkpoint["module_state_dict"] = module.state_dict()
         checkpoint["privacy_engine_state_dict"] = self.state_dict()
         if optimizer is not None:
             checkpoint["optimizer_state_dict"] = optimizer.state_dict()
+        if data_loader is not None:
+            if not isinstance(data_loader, DPDataLoader):
+                raise TypeError("data_loader must be the DPDataLoader returned by make_private (it holds the sampling state)")
+            checkpoint["data_loader_state_dict"] = data_loader.state_dict()
         torch.save(checkpoint, path)
 
-    def load_checkpoint(self, *, path: Any, module: nn.Module, optimizer: Optimizer | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote; returns the whole checkpoint dict."""
+    def load_checkpoint(
+        self, *, path: Any, module: nn.Module, optimizer: Optimizer | None = None, data_loader: DataLoader | None = None
+    ) -> dict:
+        """Restore what ``save_checkpoint`` wrote (into the objects given); returns the whole
+        checkpoint dict. A ``data_loader`` given for a checkpoint saved without one raises
+        ``ValueError`` (before anything is restored): its cyclic groups could not be restored."""
         # weights_only=False: the DP state holds generator states and the accountant's history.
         checkpoint = torch.load(path, weights_only=False)
+        if data_loader is not None and "data_loader_state_dict" not in checkpoint:
+            raise ValueError("the checkpoint holds no data loader state: save it with save_checkpoint(data_loader=...)")
         module.load_state_dict(checkpoint["module_state_dict"])
         self.load_state_dict(checkpoint["privacy_engine_state_dict"])
         if optimizer is not None and "optimizer_state_dict" in checkpoint:
             optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        if data_loader is not None:
+            data_loader.load_state_dict(checkpoint["data_loader_state_dict"])
         return checkpoint
 
     # ------------------------------------------------------------------ validation
@@ -675,6 +697,10 @@ class PrivacyEngine:
         if data_loader.batch_size is None:
             raise ValueError("data_loader.batch_size is None: build the loader with batch_size set (the expected batch size)")
         num_examples, batch_size, steps_per_epoch = len(dataset), int(data_loader.batch_size), len(data_loader)
+        # What the private loaders yield per epoch (the Poisson loader's round(1 / q), and the cyclic
+        # one the same, so both mechanisms run equally many steps): never more than len(data_loader),
+        # over which make_private_with_epsilon calibrates.
+        private_steps_per_epoch = max(1, round(num_examples / batch_size))
         if max_batch_size is not None:
             if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
                 raise ValueError(f"max_batch_size must be an int >= 1 (the cap on real examples per batch) or None; got {max_batch_size!r}")
@@ -690,7 +716,8 @@ class PrivacyEngine:
             noise_mechanism=noise_mechanism, num_bands=num_bands, bandmf_coefficients=bandmf_coefficients,
             total_steps=total_steps, epochs=epochs, noise_seed=noise_seed, noise_generator=noise_generator,
             noise_multiplier=sigma, target=target, poisson_sampling=poisson_sampling, num_examples=num_examples,
-            batch_size=batch_size, steps_per_epoch=steps_per_epoch, max_batch_size=max_batch_size,
+            batch_size=batch_size, steps_per_epoch=steps_per_epoch, private_steps_per_epoch=private_steps_per_epoch,
+            max_batch_size=max_batch_size,
         )  # fmt: skip
         bands = choice.num_bands
 
@@ -699,10 +726,9 @@ class PrivacyEngine:
         if self.secure_mode:
             sampling_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
         if bands > 1 or max_batch_size is not None:
-            # One epoch is len(data_loader) steps, so epochs * len(data_loader) (what calibration
-            # assumes) is exactly what the loop runs; the step counter runs on across epochs.
+            # The group counter runs on across epochs, so an epoch need not be a multiple of b.
             private_loader = DPDataLoader.cyclic(data_loader, bands, max_batch_size=max_batch_size,
-                                                 generator=sampling_generator, steps=steps_per_epoch)  # fmt: skip
+                                                 generator=sampling_generator, steps=private_steps_per_epoch)  # fmt: skip
         elif poisson_sampling:
             private_loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
@@ -764,7 +790,7 @@ class PrivacyEngine:
     def _check_num_bands(num_bands: int, *, num_examples: int, batch_size: int, steps_per_epoch: int) -> None:
         if num_bands > steps_per_epoch:
             raise ValueError(
-                f"num_bands={num_bands} exceeds the {steps_per_epoch} steps per epoch of data_loader (len(data_loader)): "
+                f"num_bands={num_bands} exceeds the {steps_per_epoch} steps per epoch (round(len(dataset) / batch_size)): "
                 f"cyclic sampling gives each of the b groups its own steps, and every group needs at least one step "
                 f"per epoch. Use num_bands <= {steps_per_epoch}, or a smaller batch_size (more steps per epoch)."
             )
@@ -791,6 +817,7 @@ class PrivacyEngine:
         num_examples: int,
         batch_size: int,
         steps_per_epoch: int,
+        private_steps_per_epoch: int,
         max_batch_size: int | None,
     ) -> _NoiseChoice:
         """The noise mechanism: a builder (called only once nothing can fail), its bands and, for
@@ -814,7 +841,8 @@ class PrivacyEngine:
             if bands > 1:
                 if not poisson_sampling:
                     raise ValueError("poisson_sampling must be True for a BandMF noise mechanism (cyclic Poisson sampling)")
-                self._check_num_bands(bands, num_examples=num_examples, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+                self._check_num_bands(bands, num_examples=num_examples, batch_size=batch_size,
+                                      steps_per_epoch=private_steps_per_epoch)
             coefficients = getattr(noise_mechanism, "coefficients", None)
             return _NoiseChoice(
                 mechanism="custom", num_bands=bands, make_noise=lambda: noise_mechanism, total_steps=None,
@@ -847,10 +875,11 @@ class PrivacyEngine:
             num_bands = len(coefficients)
         if num_bands is not None:
             num_bands = int(num_bands)
-            self._check_num_bands(num_bands, num_examples=num_examples, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+            self._check_num_bands(num_bands, num_examples=num_examples, batch_size=batch_size,
+                                      steps_per_epoch=private_steps_per_epoch)
         steps = total_steps
         if steps is None and epochs is not None:
-            steps = epochs * steps_per_epoch
+            steps = epochs * private_steps_per_epoch
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
             raise ValueError(f"total_steps must be an int >= 1 (the number of steps of the run); got {total_steps!r}")
         if coefficients is None:
@@ -866,7 +895,7 @@ class PrivacyEngine:
         candidates: tuple[BandCandidate, ...] = ()
         if num_bands is None:
             allowed = [b for b in CANDIDATE_NUM_BANDS
-                       if b <= steps_per_epoch and b * batch_size <= num_examples and b <= steps]  # fmt: skip
+                       if b <= private_steps_per_epoch and b * batch_size <= num_examples and b <= steps]  # fmt: skip
             candidates = self._compare_num_bands(
                 allowed, total_steps=steps, noise_multiplier=noise_multiplier, target=target,
                 accounted_steps=None if epochs is None else epochs * steps_per_epoch, num_examples=num_examples,

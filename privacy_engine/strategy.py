@@ -44,22 +44,26 @@ def _validated_n(n: int, name: str = "n") -> int:
     return int(n)
 
 
-def validated_coefficients(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
-    """The strategy coefficients as a float64 array; ValueError naming ``coefficients`` unless 1-D,
+def validated_coefficients(
+    coefficients: Sequence[float] | np.ndarray, *, name: str = "coefficients"
+) -> np.ndarray:
+    """The strategy coefficients as a float64 array; ValueError naming ``name`` unless 1-D,
     non-empty, finite, with c_0 > 0 (C must be invertible)."""
     try:
         array = np.asarray(coefficients, dtype=np.float64)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"coefficients must be a 1-D sequence of numbers: {error}") from error
+        raise ValueError(f"{name} must be a 1-D sequence of numbers (c_0, ..., c_(b-1)): {error}") from error
     if array.ndim != 1 or array.size == 0:
         raise ValueError(
-            f"coefficients must be a non-empty 1-D sequence (c_0, ..., c_(b-1)), got shape "
-            f"{array.shape}"
+            f"{name} must be a non-empty 1-D sequence (c_0, ..., c_(b-1)), got shape {array.shape}"
         )
     if not np.all(np.isfinite(array)):
-        raise ValueError(f"coefficients must all be finite, got {array.tolist()}")
+        raise ValueError(f"{name} must all be finite, got {array.tolist()}")
     if not array[0] > 0:
-        raise ValueError(f"coefficients[0] (c_0) must be > 0 so that C is invertible, got {array[0]}")
+        raise ValueError(
+            f"{name}[0] (c_0, the diagonal of the strategy C) must be > 0 so that C is invertible, "
+            f"got {array[0]!r}. Negate all coefficients if c_0 < 0 (same strategy)."
+        )
     return array
 
 
