@@ -4,6 +4,13 @@ Importing this package registers the built-in samplers. Any module that owns par
 sampler here goes through the ``torch.func`` fallback (``grad_samplers.functorch_fallback``).
 """
 
+from grad_samplers import (
+    conv,  # noqa: F401  (registers nn.Conv1d/2d/3d)
+    conv_transpose,  # noqa: F401  (registers nn.ConvTranspose1d/2d/3d)
+    embedding,  # noqa: F401  (registers nn.Embedding, nn.EmbeddingBag)
+    linear,  # noqa: F401  (registers nn.Linear)
+    normalization,  # noqa: F401  (registers LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
+)
 from grad_samplers.registry import (
     ENTRY_POINT_GROUP,
     grad_sampler_for,
@@ -15,11 +22,6 @@ from grad_samplers.registry import (
     registered_grad_samplers,
     weighted_sum_sampler_for,
 )
-from grad_samplers import linear  # noqa: F401  (registers nn.Linear)
-from grad_samplers import conv  # noqa: F401  (registers nn.Conv1d/2d/3d)
-from grad_samplers import conv_transpose  # noqa: F401  (registers nn.ConvTranspose1d/2d/3d)
-from grad_samplers import embedding  # noqa: F401  (registers nn.Embedding, nn.EmbeddingBag)
-from grad_samplers import normalization  # noqa: F401  (registers LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
 
 __all__ = [
     "ENTRY_POINT_GROUP",

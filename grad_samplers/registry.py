@@ -29,25 +29,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
-from typing import Callable, Dict, Mapping, Optional, Tuple, Type
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-Activations = Tuple[object, ...]
-GradSampler = Callable[[nn.Module, Activations, torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
-NormSampler = Callable[[nn.Module, Activations, torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
-WeightedSumSampler = Callable[[nn.Module, Activations, torch.Tensor, torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
+Activations = tuple[object, ...]
+GradSampler = Callable[[nn.Module, Activations, torch.Tensor], dict[nn.Parameter, torch.Tensor]]
+NormSampler = Callable[[nn.Module, Activations, torch.Tensor], dict[nn.Parameter, torch.Tensor]]
+WeightedSumSampler = Callable[[nn.Module, Activations, torch.Tensor, torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
 ENTRY_POINT_GROUP = "privacy_engine.grad_samplers"
 
-_GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
-_NORM_SAMPLERS: Dict[Type[nn.Module], NormSampler] = {}
-_WEIGHTED_SUM_SAMPLERS: Dict[Type[nn.Module], WeightedSumSampler] = {}
+_GRAD_SAMPLERS: dict[type[nn.Module], GradSampler] = {}
+_NORM_SAMPLERS: dict[type[nn.Module], NormSampler] = {}
+_WEIGHTED_SUM_SAMPLERS: dict[type[nn.Module], WeightedSumSampler] = {}
 _plugins_loaded = False
 
 
-def _check_layer_types(layer_types: Tuple[type, ...], decorator: str) -> None:
+def _check_layer_types(layer_types: tuple[type, ...], decorator: str) -> None:
     if not layer_types:
         raise TypeError(f"{decorator}() needs at least one nn.Module subclass, e.g. {decorator}(nn.Linear)")
     for layer_type in layer_types:
@@ -55,7 +55,7 @@ def _check_layer_types(layer_types: Tuple[type, ...], decorator: str) -> None:
             raise TypeError(f"{decorator}() takes nn.Module subclasses; got {layer_type!r}")
 
 
-def register_grad_sampler(*layer_types: Type[nn.Module]) -> Callable[[GradSampler], GradSampler]:
+def register_grad_sampler(*layer_types: type[nn.Module]) -> Callable[[GradSampler], GradSampler]:
     """Register a function computing exact per-sample gradients for layers of exactly these types.
 
     Lookup is by exact type (a subclass may change ``forward``, so it falls back to ``torch.func``
@@ -71,7 +71,7 @@ def register_grad_sampler(*layer_types: Type[nn.Module]) -> Callable[[GradSample
     return decorate
 
 
-def register_norm_sampler(*layer_types: Type[nn.Module]) -> Callable[[NormSampler], NormSampler]:
+def register_norm_sampler(*layer_types: type[nn.Module]) -> Callable[[NormSampler], NormSampler]:
     """Register a function computing per-sample squared gradient norms for layers of these types."""
     _check_layer_types(layer_types, "register_norm_sampler")
 
@@ -84,7 +84,7 @@ def register_norm_sampler(*layer_types: Type[nn.Module]) -> Callable[[NormSample
 
 
 def register_weighted_sum_sampler(
-    *layer_types: Type[nn.Module],
+    *layer_types: type[nn.Module],
 ) -> Callable[[WeightedSumSampler], WeightedSumSampler]:
     """Register a function computing ``sum_i weights[i] * grad_i`` for layers of these types."""
     _check_layer_types(layer_types, "register_weighted_sum_sampler")
@@ -108,32 +108,32 @@ def load_plugins(*, reload: bool = False) -> None:
             loaded = entry_point.load()
             if callable(loaded) and not isinstance(loaded, type):
                 loaded()
-        except Exception as error:  # a broken plugin must not break every model, nor the plugins after it
+        except Exception as error:  # noqa: BLE001  (a broken plugin must not break every model, nor the plugins after it)
             warnings.warn(
                 f"grad-sampler plugin {entry_point.name!r} ({entry_point.value}) failed to load: {error}",
                 stacklevel=2,
             )
 
 
-def grad_sampler_for(layer: nn.Module) -> Optional[GradSampler]:
+def grad_sampler_for(layer: nn.Module) -> GradSampler | None:
     """The registered grad sampler for ``type(layer)``, or None (the ``torch.func`` fallback applies)."""
     load_plugins()
     return _GRAD_SAMPLERS.get(type(layer))
 
 
-def norm_sampler_for(layer: nn.Module) -> Optional[NormSampler]:
+def norm_sampler_for(layer: nn.Module) -> NormSampler | None:
     """The registered norm sampler for ``type(layer)``, or None (materialise, then reduce)."""
     load_plugins()
     return _NORM_SAMPLERS.get(type(layer))
 
 
-def weighted_sum_sampler_for(layer: nn.Module) -> Optional[WeightedSumSampler]:
+def weighted_sum_sampler_for(layer: nn.Module) -> WeightedSumSampler | None:
     """The registered weighted-sum sampler for ``type(layer)``, or None."""
     load_plugins()
     return _WEIGHTED_SUM_SAMPLERS.get(type(layer))
 
 
-def registered_grad_samplers() -> Mapping[Type[nn.Module], GradSampler]:
+def registered_grad_samplers() -> Mapping[type[nn.Module], GradSampler]:
     """A read-only view of the table (after plugins are loaded)."""
     load_plugins()
     return dict(_GRAD_SAMPLERS)

@@ -5,7 +5,7 @@ optimizer -> accountant (accountants) -> engine (PrivacyEngine).
 """
 
 from privacy_engine.clipper import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
-from privacy_engine.engine import PrivacyEngine
+from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
 from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError, per_sample_gradients
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.optimizer import DPOptimizer
@@ -14,6 +14,7 @@ from privacy_engine.validation import UnsupportedModuleError
 from privacy_engine.virtual_steps import BatchMemoryManager, VirtualSteps
 
 __all__ = [
+    "BandCandidate",
     "BandMFNoise",
     "BatchMemoryManager",
     "ClippingConfig",
@@ -21,13 +22,14 @@ __all__ = [
     "DPDataLoader",
     "DPOptimizer",
     "GaussianNoise",
+    "GradSampleModule",
     "NoiseMechanism",
+    "NoisePlan",
+    "ParameterUsageError",
     "PerSampleGradientClipper",
     "PrivacyEngine",
+    "UnsupportedModuleError",
     "VirtualSteps",
     "parameter_groups",
-    "GradSampleModule",
-    "ParameterUsageError",
-    "UnsupportedModuleError",
     "per_sample_gradients",
 ]

@@ -7,7 +7,6 @@ sum is ``sum_i factor_i * g_i``. Keeping the rule in one place keeps the two pat
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -25,7 +24,7 @@ def clip_factors(
     max_grad_norm: float,
     *,
     rescale_to_unit_norm: bool = False,
-    padding_mask: Optional[torch.Tensor] = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-example factors ``f`` such that ``f[i] * g_i`` has L2 norm at most ``max_grad_norm``.
 

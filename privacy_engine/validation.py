@@ -6,8 +6,6 @@ attached, so a model that fails them is left exactly as it was.
 
 from __future__ import annotations
 
-from typing import List
-
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -29,9 +27,9 @@ def batchnorm_problem(path: str, module: nn.Module) -> str:
     )
 
 
-def find_problems(model: nn.Module) -> List[str]:
+def find_problems(model: nn.Module) -> list[str]:
     """Every reason this model cannot be wrapped, one line per offending module."""
-    problems: List[str] = []
+    problems: list[str] = []
     for path, module in model.named_modules():
         if isinstance(module, _BatchNorm) and module.training:
             problems.append(batchnorm_problem(path, module))

@@ -10,7 +10,7 @@ def _indented_commands(text: str) -> list:
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    demo, tests = _indented_commands((ROOT / "README.md").read_text())
+    _demo, tests = _indented_commands((ROOT / "README.md").read_text())
     assert tests.endswith("python -m pytest -q tests")
     assert tests in (ROOT / ".ci" / "run").read_text()
 
