@@ -16,12 +16,14 @@ opacus-ghost      Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` (criteri
                   backward passes): a full DP-SGD step
 ================  ==================================================================================
 
-Times: medians over interleaved rounds, all variants in ONE process (``time_interleaved``); peak
+Times: medians over interleaved rounds (each round runs every variant once, so load from other
+processes hits all alike), all variants in ONE process: wall time, and the process's CPU time per step
+(with ``--threads 1`` the CPU time is the work done, unaffected by waiting for a shared CPU). Peak
 memory: peak RSS growth of a steady-state step, one fresh process per variant
 (``peak_memory_increase``). Ratios are to ``plain``. Opacus needs ``ModuleValidator.fix`` for the
 Transformer (nn.MultiheadAttention -> DPMultiheadAttention); ours wraps the model as it is.
 
-Run:  python benchmarks/bench_fast_clipping.py [--quick] [--workloads mlp cnn transformer]
+Run:  python benchmarks/bench_fast_clipping.py [--quick] [--threads N] [--workloads mlp cnn transformer]
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable
 
@@ -44,12 +48,10 @@ from torch import nn
 from workloads import (
     MEMORY_CHILD_ENV,
     WORKLOADS,
-    Timing,
     Workload,
     get_workload,
     peak_memory_increase,
     run_python_json,
-    time_interleaved,
     use_all_cores,
 )
 
@@ -159,32 +161,55 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
+def time_wall_and_cpu(steps: dict[str, Callable[[], None]], *, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Median wall and process-CPU milliseconds per step of each variant, run round-robin (as
+    ``workloads.time_interleaved``, which records wall time only)."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            step()
+            cpu[name].append(time.process_time() - cpu_start)
+            wall[name].append(time.perf_counter() - wall_start)
+    return {
+        name: {"wall_ms": 1000 * statistics.median(wall[name]), "cpu_ms": 1000 * statistics.median(cpu[name])}
+        for name in steps
+    }
+
+
 # ---------------------------------------------------------------------------------- table
 def format_table(rows: list[dict], variants: list[str]) -> str:
-    header = ["workload", "variant", "median ms", "x plain", "peak MiB", "x plain"]
+    header = ["workload", "variant", "wall ms", "x plain", "CPU ms", "x plain", "peak MiB", "x plain"]
     lines = [header]
     for row in rows:
-        plain_ms, plain_mib = row["ms"]["plain"], row["mem_mib"].get("plain")
+        plain, plain_mib = row["times"]["plain"], row["mem_mib"].get("plain")
         for variant in variants:
-            ms, mib = row["ms"].get(variant), row["mem_mib"].get(variant)
-            lines.append(
-                [
-                    row["workload"] if variant == variants[0] else "",
-                    variant,
-                    "-" if ms is None else f"{ms:.1f}",
-                    "-" if ms is None else f"{ms / plain_ms:.2f}",
-                    "-" if mib is None else f"{mib:.1f}",
-                    "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}",
-                ]
-            )
+            times, mib = row["times"].get(variant), row["mem_mib"].get(variant)
+            cells = [row["workload"] if variant == variants[0] else "", variant]
+            for key in ("wall_ms", "cpu_ms"):
+                value = None if times is None else times[key]
+                cells += ["-", "-"] if value is None else [f"{value:.1f}", f"{value / plain[key]:.2f}"]
+            cells += ["-" if mib is None else f"{mib:.1f}", "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}"]
+            lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     rendered.insert(1, "-+-".join("-" * width for width in widths))
     return "\n".join(rendered)
 
 
-def _memory_child(workload_name: str, variant: str, steps: int) -> None:
-    use_all_cores()
+def _set_threads(threads: int | None) -> int:
+    if threads is None:
+        return use_all_cores()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _memory_child(workload_name: str, variant: str, steps: int, threads: int | None) -> None:
+    _set_threads(threads)
     warnings.simplefilter("ignore")
     step = make_step(get_workload(workload_name), variant)
     print(json.dumps({"peak_bytes": peak_memory_increase(step, steps=steps, warmup=2)}))
@@ -196,16 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21, quick 5)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers as JSON")
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     memory_steps = 2 if args.quick else 3
     if args.memory_child:
-        _memory_child(*args.memory_child, steps=memory_steps)
+        _memory_child(*args.memory_child, steps=memory_steps, threads=args.threads)
         return
 
-    cores = use_all_cores()
+    cores = _set_threads(args.threads)
     warnings.simplefilter("ignore")  # Opacus's notices (secure RNG, full backward hooks)
     repeats = args.repeats or (5 if args.quick else 21)
     warmup = 2 if args.quick else 3
@@ -215,32 +241,25 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, {cores} threads"
         + (f", opacus {opacus.__version__}" if opacus is not None else ", opacus not installed")
-        + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds",
+        + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds; load average "
+        + ", ".join(f"{load:.1f}" for load in os.getloadavg()),
         flush=True,
     )
     rows = []
     for name in args.workloads:
         workload = get_workload(name)
         steps = {variant: make_step(workload, variant) for variant in variants}
-        timings: dict[str, Timing] = time_interleaved(steps, repeats=repeats, warmup=warmup)
+        timings = time_wall_and_cpu(steps, repeats=repeats, warmup=warmup)
         del steps
         memory: dict[str, float] = {}
         if not args.no_memory:
             for variant in variants:
-                result = run_python_json(
-                    [os.path.abspath(__file__), "--memory-child", name, variant] + (["--quick"] if args.quick else []),
-                    env=MEMORY_CHILD_ENV,
-                )
+                child_args = [os.path.abspath(__file__), "--memory-child", name, variant]
+                child_args += (["--quick"] if args.quick else []) + ([f"--threads={args.threads}"] if args.threads else [])
+                result = run_python_json(child_args, env=MEMORY_CHILD_ENV)
                 memory[variant] = result["peak_bytes"] / 2**20
-        rows.append(
-            {
-                "workload": workload.description,
-                "ms": {v: t.median_ms for v, t in timings.items()},
-                "spread": {v: t.spread for v, t in timings.items()},
-                "mem_mib": memory,
-            }
-        )
-        print(f"  done {name}: " + ", ".join(f"{v} {t.median_ms:.1f} ms" for v, t in timings.items()), flush=True)
+        rows.append({"workload": workload.description, "times": timings, "mem_mib": memory})
+        print(f"  done {name}: " + ", ".join(f"{v} {t['wall_ms']:.1f} ms" for v, t in timings.items()), flush=True)
     print()
     print(format_table(rows, variants))
     print()

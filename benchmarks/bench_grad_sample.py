@@ -45,6 +45,7 @@ from workloads import (
     Workload,
     get_workload,
     peak_memory_increase,
+    reference_matmul_ms,
     run_python_json,
     time_interleaved,
     use_all_cores,
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds",
         flush=True,
     )
+    speed_before = reference_matmul_ms()
+    print(f"machine check: 1024^3 float32 matmul {speed_before:.1f} ms", flush=True)
     rows = []
     for name in args.workloads:
         workload = get_workload(name)
@@ -252,6 +255,15 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{v} {t.median_ms:.1f} ms (IQR/median {t.spread:.2f})" for v, t in timings.items()),
             flush=True,
         )
+    speed_after = reference_matmul_ms()
+    print(
+        f"machine check: 1024^3 float32 matmul {speed_after:.1f} ms after the runs ({speed_before:.1f} ms before)"
+        + (
+            "  <- the machine's speed changed during the run: numbers are suspect"
+            if max(speed_before, speed_after) > 1.5 * min(speed_before, speed_after)
+            else ""
+        )
+    )
     print()
     print("Median wall time per training step")
     print(format_table(rows, variants))

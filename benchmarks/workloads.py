@@ -14,9 +14,11 @@ transformer  Embedding(8000,128) + 2-layer TransformerEncoder (d 128, 4 heads, f
              batch_first, default dropout 0.1) + mean-pool + Linear(128,2), sequence 64
 ===========  =======================================================================  =====
 
-Timing (``time_interleaved``): the variants being compared are run round-robin, one step each per
-round, so that a burst of load from other processes on a shared machine hits every variant alike;
-each variant's result is the median wall time over the rounds after warm-up rounds.
+Timing (``time_interleaved``): the variants being compared are run round-robin, so that a burst of
+load from other processes on a shared machine hits every variant alike; in each round every variant
+runs one untimed step and then its timed step, so that the timed step follows a step of its own
+kind, as in training. Each variant's result is the median wall time over the timed rounds after
+warm-up rounds; the process's CPU time per step is recorded too.
 
 Peak memory (``peak_memory_increase``):
 
@@ -237,15 +239,21 @@ def time_interleaved(
     *,
     repeats: int,
     warmup: int,
+    settle_steps: int = 1,
     device: torch.device = CPU,
 ) -> dict[str, Timing]:
     """Median wall time per step of each variant, the variants run round-robin.
 
-    ``warmup`` rounds are run first and discarded, then ``repeats`` timed rounds. Each step is
-    timed alone (device synchronised before and after on CUDA).
+    ``warmup`` rounds are run first and discarded, then ``repeats`` timed rounds. In each round
+    every variant runs ``settle_steps`` untimed steps and then one timed step, so that the timed
+    step follows a step of its own kind, as in training: a step that directly follows another
+    variant's can pay for that variant's memory traffic (on virtual machines with free-page
+    reporting, memory another variant just freed in bulk is handed back to the host and faulted in
+    again at its next use, costing the next step several times its own work). Each step is timed
+    alone (device synchronised before and after on CUDA).
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0; got repeats={repeats}, warmup={warmup}")
+    if repeats < 1 or warmup < 0 or settle_steps < 0:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, settle_steps >= 0; got {repeats}, {warmup}, {settle_steps}")
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -253,6 +261,8 @@ def time_interleaved(
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
+            for _ in range(settle_steps):
+                step()
             synchronize(device)
             start, start_cpu = time.perf_counter(), _cpu_seconds()
             step()
@@ -263,8 +273,25 @@ def time_interleaved(
 
 
 def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = CPU) -> Timing:
-    """``time_interleaved`` for a single step function."""
-    return time_interleaved({"step": step}, repeats=repeats, warmup=warmup, device=device)["step"]
+    """``time_interleaved`` for a single step function (no settling steps: nothing to settle from)."""
+    return time_interleaved({"step": step}, repeats=repeats, warmup=warmup, settle_steps=0, device=device)["step"]
+
+
+def reference_matmul_ms(size: int = 1024, repeats: int = 5) -> float:
+    """Median milliseconds of one ``size x size`` float32 matmul on CPU: a machine-speed probe.
+
+    Printed before and after a benchmark run: if the two differ much, the machine's speed changed
+    during the run (other jobs, a throttled virtual machine) and the run's numbers are suspect.
+    """
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(size, size, generator=generator)
+    matrix @ matrix  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matrix @ matrix
+        times.append(time.perf_counter() - start)
+    return 1000.0 * statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -343,6 +370,7 @@ __all__ = [
     "get_workload",
     "median_time",
     "peak_memory_increase",
+    "reference_matmul_ms",
     "run_python_json",
     "synchronize",
     "time_interleaved",

@@ -12,9 +12,15 @@ that owns parameters takes part in training:
   once for the clipped sum).
 - When ``G`` arrives, the layer's *norm sampler* turns inputs and ``G`` into per-example squared
   gradient norms (``grad_samplers.registry``; for ``nn.Linear`` the rank-one, Gram or direct form,
-  whichever is cheapest). A layer without a norm sampler, or a parameter used more than once in the
-  forward (tied weights, a layer called twice: its norm needs cross terms between the uses), has its
-  per-example gradients materialised instead and reduced to norms.
+  whichever is cheapest), and the inputs and ``G`` are kept for the sum. Where the layer's per-example
+  gradients take at most ``per_sample_memory_ratio`` times the memory of its inputs and ``G``, they are
+  formed instead (the grad sampler), reduced to norms and kept, and the inputs and ``G`` freed: forming
+  them costs about one weight-gradient product, which the sum then no longer needs (conv layers with
+  few input channels, LayerNorm, short-sequence projections). A parameter used more than once in the
+  forward (tied weights, a layer called twice: its norm needs cross terms between the uses) always has
+  its per-example gradients formed, summed over the uses, and reduced. A layer with a grad sampler but
+  no norm sampler forms them, reduces them and, if they are large, frees them (its sum is formed again
+  at the end from the kept inputs and ``G``).
 - At the end of backward (a callback queued on the autograd engine), every norm is known: the
   clipper's rule (``PerSampleGradientClipper.clip_factors_for_norms``, i.e. ``clip_factors``) gives
   each example's factor, and each layer's clipped sum ``sum_i f_i g_i`` is one per-example-weighted
@@ -27,8 +33,11 @@ that owns parameters takes part in training:
 - Any other module owning parameters runs through the ``torch.func`` fallback with stand-in copies of
   its parameters; its per-example gradients are materialised and kept until the end of backward.
 
-Inputs and output gradients of every gated call are held until the end of the backward pass (the
-weighted sums need them), instead of being freed layer by layer.
+Memory: the inputs and output gradients of the layers that keep them are held until the end of the
+backward pass instead of being freed layer by layer; each is freed as soon as its layer's sum is formed.
+
+Not supported: per-user clipping (``group_ids``: an example group's norm would need cross terms between
+its examples), activation checkpointing or any forward that runs during a backward pass.
 
 The one difference from the materialised path: with ``nan_safe=True`` the materialised path zeroes only
 the non-finite *entries* of a per-example gradient and clips the rest; here the entries are never formed,
@@ -228,8 +237,8 @@ class GhostClippingModule(GradSampleModule):
     ``g_i`` example ``i``'s exact gradient (its own loss term; ``loss_reduction`` undone as in
     ``GradSampleModule``) and ``f = clipper.clip_factors_for_norms(norms)`` computed from the exact
     per-example norms (flat or per group): the same sum as ``GradSampleModule`` +
-    ``clip_and_accumulate`` up to float rounding, so each example's contribution has norm at most the
-    clipper's bound. A gradient reaching a parameter any other way (the parameter used outside its
+    ``clip_and_accumulate`` up to float rounding (for finite gradients; see the NaN row), so each
+    example's contribution has norm at most the clipper's bound, whatever the data. A gradient reaching a parameter any other way (the parameter used outside its
     module's forward) raises ``ParameterUsageError`` during that backward, before ``.grad`` changes.
 
     ================================  ==========================================================
@@ -237,7 +246,8 @@ class GhostClippingModule(GradSampleModule):
     ================================  ==========================================================
     parameter shared by layers /      its per-example gradients are materialised over all uses
     layer called twice                (exact cross terms), then reduced
-    layer without norm sampler        its per-example gradients materialised, reduced, freed
+    layer without norm sampler        its per-example gradients materialised, reduced (kept or
+                                      freed by ``per_sample_memory_ratio``)
     module without any sampler        ``torch.func`` fallback, materialised
     norm NaN/Inf                      factor 0: the example contributes exactly zero (whole;
                                       the materialised path with nan_safe keeps finite entries)
@@ -256,8 +266,15 @@ class GhostClippingModule(GradSampleModule):
         module, batch_first, loss_reduction, strict: as for ``GradSampleModule``.
         clipper: a ``PerSampleGradientClipper`` over the module's trainable parameters (or attach
             one later with ``attach_clipper``; ``PrivacyEngine.make_private`` does).
+        per_sample_memory_ratio: a layer keeps its per-example gradients (instead of its inputs and
+            output gradient) when they need at most this many times the memory; 0: only where
+            needed, ``inf``: always. Changes speed and memory, never the result.
         grad_sample_mode: must be ``"ghost"`` (accepted so that ``GradSampleModule(...,
             grad_sample_mode="ghost")`` can construct this class).
+
+    Attributes:
+        last_per_sample_norms: the unclipped per-example norms ``(batch, num_groups)`` of the last
+            backward pass (diagnostics; computed from the data, not private).
     """
 
     def __init__(
@@ -653,7 +670,7 @@ class GhostClippingModule(GradSampleModule):
             # No norm-only form and large per-example gradients: reduce them to norms, free them, and
             # form the sum later from the kept inputs and output gradient.
             for param, _ in use.parts:
-                state.add_squared(param, per_sample[param].flatten(1).square().sum(dim=1))
+                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].flatten(1), dim=1).square())
             del per_sample
             state.deferred.append((use, partial(_weighted_sum_by_materialising, use.grads), activations, grads))
             return
@@ -698,12 +715,21 @@ class GhostClippingModule(GradSampleModule):
             squared = dict(state.squared_norms)
             for param, grads in state.materialised.items():
                 # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
-                materialised_squared = grads.flatten(1).square().sum(dim=1)
+                materialised_squared = torch.linalg.vector_norm(grads.flatten(1), dim=1).square()
                 previous = squared.get(param)
                 squared[param] = materialised_squared if previous is None else previous + materialised_squared
             self._check_known(squared)
+            # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
+            # handed over under one member of each group: the clipper adds a group's squares anyway.
+            by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+            for param, value in squared.items():
+                by_group.setdefault(clipper.group_index(param), []).append((param, value))
+            group_squares = {
+                members[0][0]: members[0][1] if len(members) == 1 else torch.stack([v for _, v in members]).sum(dim=0)
+                for members in by_group.values()
+            }
             # Norms are homogeneous: scaling the (unscaled-gradient) norms once equals scaling every G.
-            norms = clipper.group_norms_from_squared(squared)
+            norms = clipper.group_norms_from_squared(group_squares)
             if scale != 1.0:
                 norms = norms * scale
             factors = clipper.clip_factors_for_norms(norms, padding_mask=padding_mask)

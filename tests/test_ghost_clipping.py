@@ -338,7 +338,9 @@ def test_backward_computes_no_weight_gradient_product():
     plain_loss = model(inputs).square().sum()
     with _MatmulCounter() as plain:
         plain_loss.backward()
-    wrapped = GhostClippingModule(copy.deepcopy(model), clipper=None)
+    # per_sample_memory_ratio=0: no layer keeps per-example gradients (their sums would be
+    # (1 x B) @ (B x p) products, counted too).
+    wrapped = GhostClippingModule(copy.deepcopy(model), per_sample_memory_ratio=0.0)
     clipper = PerSampleGradientClipper(list(wrapped.parameters()), 1.0)
     wrapped.attach_clipper(clipper)
     ghost_loss = wrapped(inputs).square().sum()
@@ -502,6 +504,27 @@ def test_dp_optimizer_step_equals_materialised_step(noise):
         results.append([p.detach().clone() for p in copy_.parameters()])
     for materialised, ghost in zip(*results):
         assert_relatively_close(ghost, materialised, 1e-10)
+
+
+@pytest.mark.parametrize("ratio", [0.0, float("inf")])
+@pytest.mark.parametrize("case", ["conv2d", "encoder_layer"])
+def test_memory_policy_changes_nothing_but_memory(case, ratio):
+    """per_sample_memory_ratio 0 (never keep per-example gradients unless needed) and inf (always):
+    the same exact result."""
+    model, inputs, target = CASES[case]()
+    expected, _, scales = reference_clipped_sum(model, inputs, target)
+    copy_ = copy.deepcopy(model)
+    clipper = PerSampleGradientClipper(trainable(copy_), MAX_GRAD_NORM)
+    wrapped = GhostClippingModule(copy_, clipper=clipper, per_sample_memory_ratio=ratio)
+    example_loss(wrapped(*inputs), target).mean().backward()
+    clipper.pre_step()
+    for name, param in copy_.named_parameters():
+        assert_relatively_close(param.grad, expected[name], 1e-10, name, scales[name])
+
+
+def test_negative_memory_ratio_raises():
+    with pytest.raises(ValueError, match="per_sample_memory_ratio"):
+        GhostClippingModule(nn.Linear(2, 2), per_sample_memory_ratio=-1.0)
 
 
 class PlainMatrix(nn.Linear):
