@@ -404,20 +404,18 @@ class PerSampleGradientClipper:
             raise TypeError(f"group_ids must be an integer tensor; got dtype {group_ids.dtype}")
 
         with torch.no_grad():
-            grads_by_index = {}
-            for index, param, grads in present:
-                grads = grads.detach()
-                if self.config.nan_safe:
-                    grads = torch.nan_to_num(grads, nan=0.0, posinf=0.0, neginf=0.0)
-                    # Drop the raw copy now: holding both would double the per-sample memory.
-                    param.grad_sample = grads
-                grads_by_index[index] = grads
+            grads_by_index = {index: grads.detach() for index, _, grads in present}
             if group_ids is not None:
+                if self.config.nan_safe:  # entries must be zeroed before examples are summed
+                    grads_by_index = {i: _finite_entries(g) for i, g in grads_by_index.items()}
                 grads_by_index, padding_mask = self._sum_per_group(grads_by_index, group_ids, padding_mask)
-            squared = {
-                self.params[i]: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=_norm_dtype(g.dtype)).square()
-                for i, g in grads_by_index.items()
-            }
+            squared = _squared_norms(self.params, grads_by_index)
+            # A finite norm means every entry is finite, so the copy that zeroes non-finite entries is
+            # only needed when some norm is not: one pass over the per-sample gradients saved in the
+            # common case, at the price of one host sync.
+            if self.config.nan_safe and group_ids is None and not _all_finite(squared.values()):
+                grads_by_index = {i: _finite_entries(g) for i, g in grads_by_index.items()}
+                squared = _squared_norms(self.params, grads_by_index)
             norms = self.group_norms_from_squared(squared)
             factors = self.clip_factors_for_norms(norms, padding_mask=padding_mask)
             clipped_sums = {}
@@ -615,3 +613,20 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
 def _expand_rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A ``(batch,)`` mask viewed as ``(batch, 1, 1, ...)`` to broadcast against ``like``."""
     return row_mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def _finite_entries(grads: torch.Tensor) -> torch.Tensor:
+    """``grads`` with every NaN/±Inf entry replaced by 0 (the nan_safe rule)."""
+    return torch.nan_to_num(grads, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _squared_norms(params: Sequence[nn.Parameter], grads_by_index: Mapping[int, torch.Tensor]) -> dict:
+    """``{param: (batch,) squared L2 norms}`` of each parameter's per-sample gradients."""
+    return {
+        params[i]: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=_norm_dtype(g.dtype)).square()
+        for i, g in grads_by_index.items()
+    }
