@@ -6,6 +6,7 @@ optimizer -> accountant (accountants) -> engine (PrivacyEngine).
 
 from privacy_engine.clipper import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
 from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
+from privacy_engine.ghost_clipping import GhostClippingModule
 from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError, per_sample_gradients
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.optimizer import DPOptimizer
@@ -22,6 +23,7 @@ __all__ = [
     "DPDataLoader",
     "DPOptimizer",
     "GaussianNoise",
+    "GhostClippingModule",
     "GradSampleModule",
     "NoiseMechanism",
     "NoisePlan",

@@ -386,6 +386,13 @@ class PerSampleGradientClipper:
         """
         present = [(i, p, p.grad_sample) for i, p in enumerate(self.params) if getattr(p, "grad_sample", None) is not None]
         if not present:
+            if group_ids is not None:
+                # Fast clipping never materialises per-sample gradients; returning quietly here would
+                # skip the per-user grouping the caller asked for.
+                raise ValueError(
+                    "group_ids (per-user clipping) needs materialised per-sample gradients, and none are "
+                    "present: per-user clipping is not supported with grad_sample_mode='ghost'."
+                )
             return
         batch_size = present[0][2].shape[0]
         for _, param, grads in present:
@@ -437,6 +444,7 @@ class PerSampleGradientClipper:
         per_sample_norms: torch.Tensor,
         *,
         padding_mask: torch.Tensor | None = None,
+        take_ownership: bool = False,
     ) -> None:
         """Add clipped per-parameter sums computed elsewhere (fast clipping) and record statistics,
         exactly as ``clip_and_accumulate`` does for materialised per-sample gradients.
@@ -446,6 +454,8 @@ class PerSampleGradientClipper:
         ``g(p) = group_index(p)``, over per-sample gradients whose non-finite entries were handled
         per ``nan_safe`` before the norms were taken. ``per_sample_norms``: unclipped group norms,
         ``(batch, num_groups)`` (``(batch,)`` for flat). Parameters left out contribute zero.
+        ``take_ownership=True``: the caller hands over fresh tensors it will not touch again, so the
+        first sum is kept as the accumulator instead of being copied.
 
         ==============================  ===========================================
         case                            result
@@ -464,7 +474,7 @@ class PerSampleGradientClipper:
                 raise ValueError(
                     f"clipped sum of shape {tuple(total.shape)} for a parameter of shape {tuple(param.shape)}"
                 )
-        self._accumulate(clipped_sums, norms, padding_mask)
+        self._accumulate(clipped_sums, norms, padding_mask, owned=take_ownership)
 
     # ------------------------------------------------------------------ consumer
     def pre_step(self) -> ClippingStats:
