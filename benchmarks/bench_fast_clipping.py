@@ -16,9 +16,9 @@ opacus-ghost      Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` (criteri
                   backward passes): a full DP-SGD step
 ================  ==================================================================================
 
-Times: medians over interleaved rounds (each round runs every variant once, so load from other
-processes hits all alike), all variants in ONE process: wall time, and the process's CPU time per step
-(with ``--threads 1`` the CPU time is the work done, unaffected by waiting for a shared CPU). Peak
+Times: medians over interleaved rounds, all variants in ONE process (``workloads.time_interleaved``:
+each variant's timed step follows an untimed step of its own): wall time, and the process's CPU time
+per step (with ``--threads 1`` the CPU time is the work done, unaffected by waiting for a shared CPU). Peak
 memory: peak RSS growth of a steady-state step, one fresh process per variant
 (``peak_memory_increase``). Ratios are to ``plain``. Opacus needs ``ModuleValidator.fix`` for the
 Transformer (nn.MultiheadAttention -> DPMultiheadAttention); ours wraps the model as it is.
@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 
@@ -52,6 +50,7 @@ from workloads import (
     get_workload,
     peak_memory_increase,
     run_python_json,
+    time_interleaved,
     use_all_cores,
 )
 
@@ -161,26 +160,6 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
-def time_wall_and_cpu(steps: dict[str, Callable[[], None]], *, repeats: int, warmup: int) -> dict[str, dict[str, float]]:
-    """Median wall and process-CPU milliseconds per step of each variant, run round-robin (as
-    ``workloads.time_interleaved``, which records wall time only)."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            wall_start, cpu_start = time.perf_counter(), time.process_time()
-            step()
-            cpu[name].append(time.process_time() - cpu_start)
-            wall[name].append(time.perf_counter() - wall_start)
-    return {
-        name: {"wall_ms": 1000 * statistics.median(wall[name]), "cpu_ms": 1000 * statistics.median(cpu[name])}
-        for name in steps
-    }
-
-
 # ---------------------------------------------------------------------------------- table
 def format_table(rows: list[dict], variants: list[str]) -> str:
     header = ["workload", "variant", "wall ms", "x plain", "CPU ms", "x plain", "peak MiB", "x plain"]
@@ -249,7 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.workloads:
         workload = get_workload(name)
         steps = {variant: make_step(workload, variant) for variant in variants}
-        timings = time_wall_and_cpu(steps, repeats=repeats, warmup=warmup)
+        timings = {
+            variant: {"wall_ms": timing.median_ms, "cpu_ms": timing.median_cpu_ms}
+            for variant, timing in time_interleaved(steps, repeats=repeats, warmup=warmup).items()
+        }
         del steps
         memory: dict[str, float] = {}
         if not args.no_memory:

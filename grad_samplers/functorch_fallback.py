@@ -13,9 +13,9 @@ ordinary forward costs, provided every operation has a ``vmap`` batching rule. T
 
 - ``nn.MultiheadAttention`` (anywhere in the subtree) is called with ``need_weights=True`` while
   under ``vmap``: its ``need_weights=False`` path calls a fused attention kernel that has no batching
-  rule, so ``vmap`` would loop over the examples one by one (20-50x slower). The ``need_weights=True``
-  path computes the same function (bmm, softmax, dropout on the attention weights, bmm) in batched
-  operations; the weights the caller did not ask for are dropped. Its dropout is still drawn in this,
+  rule, so ``vmap`` would fall back to calling it once per example (with a warning). The
+  ``need_weights=True`` path computes the same function (bmm, softmax, dropout on the attention
+  weights, bmm) in batched operations; the weights the caller did not ask for are dropped. Its dropout is still drawn in this,
   the real, forward. (One difference: an ``is_causal=True`` hint is then not used and the
   ``attn_mask`` it describes is applied instead, which is what the hint promises to be equivalent to.)
 - arguments that are the same tensor stay the same tensor for each example, so identity checks in
