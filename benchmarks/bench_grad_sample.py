@@ -14,9 +14,10 @@ opacus-psg      Opacus 1.6 ``GradSampleModule`` in hooks mode, then SGD (no clip
 opacus-dp       Opacus 1.6 ``GradSampleModule`` (hooks) + ``DPOptimizer``: a full DP-SGD step
 ==============  ==========================================================================
 
-Times are medians over interleaved rounds, all in ONE process (``time_interleaved``); peak memory
-is measured per variant in a fresh process (``peak_memory_increase``: peak RSS growth of a
-steady-state step on CPU). Ratios are relative to ``plain``.
+Times are medians over interleaved rounds, all in ONE process (``time_interleaved``: per round, each
+variant runs one untimed step, then its timed step); peak memory is measured per variant in a fresh
+process (``peak_memory_increase``: peak RSS growth of a steady-state step on CPU). Ratios are relative
+to ``plain``. A matmul timed before and after the runs shows whether the machine's speed changed.
 
 Run:  python benchmarks/bench_grad_sample.py [--quick]   (from any directory)
 """

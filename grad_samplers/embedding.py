@@ -22,6 +22,7 @@ import math
 import torch
 from torch import nn
 
+from grad_samplers._memory import empty_per_sample
 from grad_samplers.registry import (
     register_grad_sampler,
     register_norm_sampler,
@@ -101,7 +102,9 @@ def embedding_grad_sample(
         return {}
     indices, grads = _embedding_lookups(layer, activations, backprops)
     batch_size, num_lookups = indices.shape
-    per_sample = grads.new_zeros(batch_size, layer.num_embeddings, layer.embedding_dim)
+    # Huge pages: zero-filling a fresh (batch, vocabulary, dim) buffer page by page dominates this step.
+    shape = (batch_size, layer.num_embeddings, layer.embedding_dim)
+    per_sample = empty_per_sample(shape, dtype=grads.dtype, device=grads.device).zero_()
     per_sample.scatter_add_(1, indices.unsqueeze(-1).expand(batch_size, num_lookups, layer.embedding_dim), grads)
     return {layer.weight: per_sample}
 
