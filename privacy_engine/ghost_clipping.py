@@ -358,11 +358,12 @@ class GhostClippingModule(GradSampleModule):
             self._owner_paths.setdefault(param, path)
         if sampler is not None:
             self._patch_gated(path, layer, sampler)
+            self._patched.append(layer)
         elif type(layer) is nn.MultiheadAttention:
             self._patch_attention(path, layer)
+            self._patched.append(layer)
         else:
-            self._patch_fallback(path, layer)
-        self._patched.append(layer)
+            self._patch_forward(path, layer)  # the core's fallback patch, calling this class's _fallback_call
         _HOOKED_MODULES.add(layer)
 
     def forward(self, *args, **kwargs):
@@ -451,20 +452,6 @@ class GhostClippingModule(GradSampleModule):
 
         layer.forward = forward
 
-    def _patch_fallback(self, path: str, module: nn.Module) -> None:
-        original = module.forward
-        named_params = list(module.named_parameters())
-
-        def forward(*args, **kwargs):
-            if self._inside_fallback or not (module.training and torch.is_grad_enabled()):
-                return original(*args, **kwargs)
-            params = {name: p for name, p in named_params if p.requires_grad}
-            if not params:
-                return original(*args, **kwargs)
-            return self._fallback_call(path, module, original, args, kwargs, params)
-
-        module.forward = forward
-
     def _fallback_call(self, path: str, module: nn.Module, original, args, kwargs, params: dict[str, nn.Parameter]):
         # Stand-in leaves: the fallback's autograd then ends at them, never at the real parameters'
         # .grad (which would receive the unclipped sum).
@@ -490,9 +477,7 @@ class GhostClippingModule(GradSampleModule):
             )
         finally:
             self._inside_fallback = False
-        first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
-        if first is not None:
-            self._note_batch_size(path, first.shape[self._batch_dim])
+        self._note_output_batch_size(path, module, output)
         return output
 
     # ------------------------------------------------------------------ multi-head attention

@@ -73,6 +73,9 @@ class GradSampleModule(nn.Module):
         batch_first: whether the batch is dim 0 (True) or dim 1 (False) of inputs and outputs.
         loss_reduction: ``"mean"`` if the loss averages over the batch (its 1/B is undone),
             ``"sum"`` if it sums.
+        grad_sample_mode: ``"hooks"`` materialises ``grad_sample``; ``"ghost"`` returns a
+            ``GhostClippingModule`` (fast clipping: per-sample norms and the clipped sum inside
+            backward, no ``grad_sample``; see ``privacy_engine.ghost_clipping``).
         strict: raise on the wrap-time problems above (True) or only warn (False: the per-sample
             gradients of the offending modules are then not trustworthy).
     """
@@ -292,32 +295,41 @@ class GradSampleModule(nn.Module):
             params = {name: p for name, p in named_params if p.requires_grad}
             if not params:
                 return original(*args, **kwargs)
-            self._inside_fallback = True
-            try:
-                output = per_sample_forward(
-                    module,
-                    original,
-                    args,
-                    kwargs,
-                    params=params,
-                    batch_dim=self._batch_dim,
-                    module_path=path,
-                    on_per_sample_grad=self._fallback_backward,
-                )
-            finally:
-                self._inside_fallback = False
-            first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
-            if first is not None:
-                # The fallback reads an attention module's own layout (a sequence-first attention may
-                # sit in a batch-first model); its first output is laid out like its query.
-                output_batch_dim = self._batch_dim
-                if type(module) is nn.MultiheadAttention:
-                    output_batch_dim = 0 if module.batch_first else 1
-                self._note_batch_size(path, first.shape[output_batch_dim])
-            return output
+            return self._fallback_call(path, module, original, args, kwargs, params)
 
         module.forward = forward
         self._patched.append(module)
+
+    def _fallback_call(self, path: str, module: nn.Module, original, args, kwargs, params: Dict[str, nn.Parameter]):
+        """One training-mode call of a fallback module: its real forward under ``vmap``, with
+        per-sample gradients delivered to ``_fallback_backward`` during backward."""
+        self._inside_fallback = True
+        try:
+            output = per_sample_forward(
+                module,
+                original,
+                args,
+                kwargs,
+                params=params,
+                batch_dim=self._batch_dim,
+                module_path=path,
+                on_per_sample_grad=self._fallback_backward,
+            )
+        finally:
+            self._inside_fallback = False
+        self._note_output_batch_size(path, module, output)
+        return output
+
+    def _note_output_batch_size(self, path: str, module: nn.Module, output) -> None:
+        first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+        if first is None:
+            return
+        # An attention module has its own layout (a sequence-first attention may sit in a batch-first
+        # model); its first output is laid out like its query.
+        output_batch_dim = self._batch_dim
+        if type(module) is nn.MultiheadAttention:
+            output_batch_dim = 0 if module.batch_first else 1
+        self._note_batch_size(path, first.shape[output_batch_dim])
 
     # ------------------------------------------------------------------ backward
     def _layer_backward(self, path: str, layer: nn.Module, sampler: GradSampler, activations, backprops) -> None:
