@@ -32,7 +32,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import matplotlib
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -150,6 +149,11 @@ def print_table(args: argparse.Namespace, results: list[RunResult]) -> None:
 
 
 def save_plot(args: argparse.Namespace, results: list[RunResult]) -> None:
+    try:
+        import matplotlib
+    except ImportError:  # an optional extra: the table above is the result, the plot a view of it
+        print("matplotlib is not installed: no plot saved (pip install -e '.[tutorials]' to get one)")
+        return
     matplotlib.use("Agg")  # a file only: no display needed (and none on a server)
     import matplotlib.pyplot as plt
 
