@@ -217,7 +217,6 @@ def conv_norm_sample(layer: _ConvLayer, activations, backprops: torch.Tensor) ->
     ======================  =================================================
     """
     inputs, backprops = _prepare(layer, activations, backprops)
-    batch_size = backprops.shape[0]
     norms: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
         groups = layer.groups
@@ -226,15 +225,31 @@ def conv_norm_sample(layer: _ConvLayer, activations, backprops: torch.Tensor) ->
         outputs_per_group = layer.out_channels // groups
         if gram_is_cheaper(num_positions, patch_size, outputs_per_group):
             padded, _ = _padded_input(layer, inputs, explicit=True)
-            windows = sliding_windows(padded, layer.kernel_size, layer.stride, layer.dilation, backprops.shape[2:])
-            patches = grouped_patches(windows, groups, len(layer.kernel_size))
-            grads = backprops.reshape(batch_size, groups, outputs_per_group, num_positions).transpose(-1, -2)
-            norms[layer.weight] = gram_squared_norms(patches, grads)
+            norms[layer.weight] = windowed_gram_squared_norms(layer, padded, backprops)
         else:
             norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).pow(2).sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = backprops.flatten(2).sum(dim=2).pow(2).sum(dim=1)
+        norms[layer.bias] = bias_squared_norms(backprops)
     return norms
+
+
+def windowed_gram_squared_norms(layer: nn.Module, windowed: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms of a (transposed) convolution's weight gradient in the Gram form:
+    the kernel windows of ``windowed`` (already padded) against ``other`` ``(B, C, *positions)``, one
+    window per position of ``other``. A convolution windows its input against the output gradient; a
+    transposed convolution windows the output gradient against its input (the same maths, roles swapped).
+    """
+    batch_size, groups = other.shape[0], layer.groups
+    positions = other.shape[2:]
+    windows = sliding_windows(windowed, layer.kernel_size, layer.stride, layer.dilation, positions)
+    patches = grouped_patches(windows, groups, len(layer.kernel_size))
+    grads = other.reshape(batch_size, groups, other.shape[1] // groups, math.prod(positions)).transpose(-1, -2)
+    return gram_squared_norms(patches, grads)
+
+
+def bias_squared_norms(backprops: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms of a convolution's bias gradient (the output gradient summed over positions)."""
+    return backprops.flatten(2).sum(dim=2).pow(2).sum(dim=1)
 
 
 @register_weighted_sum_sampler(*_CONV_TYPES)

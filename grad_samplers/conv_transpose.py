@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from grad_samplers.conv import (
+    bias_squared_norms,
     check_batched_input,
     common_dtype,
     gram_is_cheaper,
-    gram_squared_norms,
-    grouped_patches,
-    sliding_windows,
+    windowed_gram_squared_norms,
 )
 from grad_samplers.registry import (
     register_grad_sampler,
@@ -132,7 +131,6 @@ def conv_transpose_norm_sample(
     ======================  =================================================
     """
     inputs, backprops = _prepare(layer, activations, backprops)
-    batch_size = backprops.shape[0]
     norms: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
         groups = layer.groups
@@ -142,14 +140,11 @@ def conv_transpose_norm_sample(
         if gram_is_cheaper(num_positions, patch_size, inputs_per_group):
             pad = [amount for pad in reversed(layer.padding) for amount in (pad, pad)]
             padded = F.pad(backprops, pad) if any(pad) else backprops
-            windows = sliding_windows(padded, layer.kernel_size, layer.stride, layer.dilation, inputs.shape[2:])
-            patches = grouped_patches(windows, groups, len(layer.kernel_size))
-            grads = inputs.reshape(batch_size, groups, inputs_per_group, num_positions).transpose(-1, -2)
-            norms[layer.weight] = gram_squared_norms(patches, grads)
+            norms[layer.weight] = windowed_gram_squared_norms(layer, padded, inputs)
         else:
             norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).pow(2).sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = backprops.flatten(2).sum(dim=2).pow(2).sum(dim=1)
+        norms[layer.bias] = bias_squared_norms(backprops)
     return norms
 
 
