@@ -25,6 +25,7 @@ from grad_samplers.registry import (
     register_grad_sampler,
     register_norm_sampler,
     register_weighted_sum_sampler,
+    scale_per_example,
 )
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -270,7 +271,7 @@ def conv_weighted_sum(
     ======================  =================================================
     """
     inputs, backprops = _prepare(layer, activations, backprops)
-    scaled = backprops * weights.to(backprops.dtype).reshape(-1, *([1] * (backprops.dim() - 1)))
+    scaled = scale_per_example(backprops, weights)
     sums: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
         padded, padding = _padded_input(layer, inputs, explicit=False)

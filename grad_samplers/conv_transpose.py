@@ -27,6 +27,7 @@ from grad_samplers.registry import (
     register_grad_sampler,
     register_norm_sampler,
     register_weighted_sum_sampler,
+    scale_per_example,
 )
 
 _CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -166,7 +167,7 @@ def conv_transpose_weighted_sum(
     ======================  =================================================
     """
     inputs, backprops = _prepare(layer, activations, backprops)
-    scaled = backprops * weights.to(backprops.dtype).reshape(-1, *([1] * (backprops.dim() - 1)))
+    scaled = scale_per_example(backprops, weights)
     sums: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
         sums[layer.weight] = _weight_backward(layer, inputs, scaled, layer.groups, layer.weight.shape)

@@ -27,6 +27,7 @@ from grad_samplers.registry import (
     register_grad_sampler,
     register_norm_sampler,
     register_weighted_sum_sampler,
+    scale_per_example,
 )
 
 # What one element-step of the segment form (sort, gather, scatter-add: memory-bound) costs relative to one
@@ -189,7 +190,7 @@ def embedding_weighted_sum(
     if not layer.weight.requires_grad:
         return {}
     indices, grads = _embedding_lookups(layer, activations, backprops)
-    scaled = grads * weights.to(grads.dtype).reshape(-1, 1, 1)
+    scaled = scale_per_example(grads, weights)
     total = scaled.new_zeros(layer.num_embeddings, layer.embedding_dim)
     total.index_add_(0, indices.reshape(-1), scaled.reshape(-1, layer.embedding_dim))
     return {layer.weight: total}

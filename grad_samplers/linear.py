@@ -3,8 +3,6 @@ summed over any dimensions between the batch and the features."""
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 from torch import nn
 
@@ -12,13 +10,13 @@ from grad_samplers.registry import register_grad_sampler
 
 
 @register_grad_sampler(nn.Linear)
-def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
     # Imported here, not at the top: the top of this file belongs to the fast-clipping code.
     from grad_samplers._memory import empty_per_sample
 
     inputs = activations[0]
     batch_size = backprops.shape[0]
-    per_sample: Dict[nn.Parameter, torch.Tensor] = {}
+    per_sample: dict[nn.Parameter, torch.Tensor] = {}
     dtype = torch.promote_types(inputs.dtype, backprops.dtype)
     if layer.weight.requires_grad:
         # The (batch, out, in) result is written once, straight into its final (huge-page backed)

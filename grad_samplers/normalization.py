@@ -21,6 +21,7 @@ from grad_samplers.registry import (
     register_grad_sampler,
     register_norm_sampler,
     register_weighted_sum_sampler,
+    scale_per_example,
 )
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm)
@@ -138,7 +139,7 @@ def normalization_weighted_sum(
     """
     weight, bias = _affine_params(layer)
     inputs, backprops = _inputs_and_grads(activations, backprops)
-    scaled = backprops * weights.to(backprops.dtype).reshape(-1, *([1] * (backprops.dim() - 1)))
+    scaled = scale_per_example(backprops, weights)
     sums: dict[nn.Parameter, torch.Tensor] = {}
     if weight is not None:
         sums[weight] = _per_example_sum(layer, scaled * _normalized_input(layer, inputs)).sum(dim=0)

@@ -83,6 +83,12 @@ def register_norm_sampler(*layer_types: type[nn.Module]) -> Callable[[NormSample
     return decorate
 
 
+def scale_per_example(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (batch first) with example ``i`` multiplied by ``weights[i]``: the output gradient a
+    weighted-sum sampler differentiates with (every gradient is linear in it)."""
+    return tensor * weights.to(tensor.dtype).reshape(-1, *([1] * (tensor.dim() - 1)))
+
+
 def register_weighted_sum_sampler(
     *layer_types: type[nn.Module],
 ) -> Callable[[WeightedSumSampler], WeightedSumSampler]:
