@@ -31,7 +31,12 @@ from accountants._validation import (
     check_sample_rate,
     check_truncation,
 )
-from accountants.events import bandmf_event, max_participations, truncated_bandmf_event
+from accountants.events import (
+    accumulated_dpsgd_event,
+    bandmf_event,
+    max_participations,
+    truncated_bandmf_event,
+)
 
 __all__ = ["STATE_DICT_FORMAT", "Accountant", "HistoryEntry"]
 
@@ -53,6 +58,12 @@ class HistoryEntry:
     num_bands: int = 1
     group_size: int | None = None
     max_batch_size: int | None = None
+    #: Which private optimizer recorded the steps: entries of different sources are separate
+    #: mechanisms (never merged; BandMF participations are counted per source).
+    source: str = ""
+    #: Poisson batches (independent draws) accumulated into each noisy release (naive gradient
+    #: accumulation); 1 for the usual one batch per step.
+    batches_per_step: int = 1
 
     def __post_init__(self) -> None:
         # Normalise to python types so equality, merging and JSON do not depend on the caller's
@@ -70,6 +81,16 @@ class HistoryEntry:
         )
         object.__setattr__(self, "group_size", group_size)
         object.__setattr__(self, "max_batch_size", max_batch_size)
+        if not isinstance(self.source, str):
+            raise TypeError(f"source must be a str; got {self.source!r}")
+        object.__setattr__(
+            self, "batches_per_step", check_int("batches_per_step", self.batches_per_step, low=1)
+        )
+        if self.batches_per_step > 1 and (self.num_bands > 1 or self.truncated):
+            raise ValueError(
+                "batches_per_step > 1 (several Poisson batches in one release) is accounted for plain "
+                "DP-SGD only; BandMF and truncated sampling need exactly one batch per step"
+            )
 
     @property
     def count(self) -> int:
@@ -96,6 +117,10 @@ class HistoryEntry:
 
     def event(self) -> dp_accounting.DpEvent:
         """The dp-accounting event for this entry (see `accountants.events`)."""
+        if self.batches_per_step > 1:
+            return accumulated_dpsgd_event(
+                self.noise_multiplier, self.sample_rate, self.num_steps, self.batches_per_step
+            )
         if self.truncated:
             return truncated_bandmf_event(
                 self.noise_multiplier,
@@ -160,6 +185,8 @@ class Accountant(abc.ABC):
         num_bands: int = 1,
         max_batch_size: int | None = None,
         group_size: int | None = None,
+        source: str = "",
+        batches_per_step: int = 1,
     ) -> None:
         """Record `num_steps` identical training steps.
 
@@ -181,6 +208,12 @@ class Accountant(abc.ABC):
         max_batch_size/group_size    truncated sampling: PLD only; RDP raises
                                      NotImplementedError naming PLDAccountant
         only one of the two given    ValueError naming the missing one
+        source                       steps of another source never merge: each private
+                                     optimizer composes as its own mechanism; a step is
+                                     merged into its source's latest entry if identical
+        batches_per_step = k > 1     k independent Poisson batches in one release: each
+                                     example's sensitivity is Binomial(k, q) times the
+                                     clip norm (mixture of Gaussians; PLD only)
         out-of-range argument        ValueError / TypeError naming it
         ===========================  ================================================
         """
@@ -194,14 +227,21 @@ class Accountant(abc.ABC):
             num_bands=num_bands,
             group_size=group_size,
             max_batch_size=max_batch_size,
+            source=source,
+            batches_per_step=batches_per_step,
         )
-        last = self._history[-1] if self._history else None
+        # The latest entry of the same source (other optimizers' steps may have come in between).
+        position = next(
+            (i for i in range(len(self._history) - 1, -1, -1) if self._history[i].source == entry.source),
+            None,
+        )
+        last = None if position is None else self._history[position]
         if last is None or not last.same_mechanism(entry):
             self._check_supported(entry)
         if num_steps == 0:
             return
         if last is not None and last.same_mechanism(entry):
-            self._history[-1] = dataclasses.replace(
+            self._history[position] = dataclasses.replace(
                 last, num_steps=last.num_steps + num_steps
             )
         else:

@@ -13,6 +13,8 @@ ceil(steps / b) self-composed Poisson-subsampled Gaussians. b = 1 is DP-SGD.
 
 from __future__ import annotations
 
+import math
+
 import dp_accounting
 
 from accountants._validation import (
@@ -23,6 +25,7 @@ from accountants._validation import (
 )
 
 __all__ = [
+    "accumulated_dpsgd_event",
     "bandmf_event",
     "dpsgd_event",
     "max_participations",
@@ -78,6 +81,41 @@ def dpsgd_event(
         ),
         steps,
     )
+
+
+def accumulated_dpsgd_event(
+    noise_multiplier: float, sample_rate: float, steps: int, batches_per_step: int
+) -> dp_accounting.DpEvent:
+    """`steps` releases, each the noisy sum of `batches_per_step` independent Poisson batches.
+
+    Guarantee: in each release an example is in each of the k = `batches_per_step` batches
+    independently with probability q, so (add/remove adjacency) its clipped contribution has norm
+    at most m * C with m ~ Binomial(k, q); the event is
+    SelfComposed(MixtureOfGaussians(sigma, sensitivities (0, 1, ..., k), Binomial(k, q) pmf), steps)
+    in units of the clip norm (arXiv:2310.15526). With k = 1 it equals `dpsgd_event`.
+
+    =====================  ======================================================
+    case                   result
+    =====================  ======================================================
+    batches_per_step = 1   MixtureOfGaussians over (0, 1): the Poisson-sampled Gaussian
+    steps = 0              NoOpDpEvent
+    RDP accountant         not supported by dp-accounting (use PLD)
+    =====================  ======================================================
+    """
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    sample_rate = check_sample_rate(sample_rate)
+    steps = check_int("steps", steps, low=0)
+    batches = check_int("batches_per_step", batches_per_step, low=1)
+    if steps == 0:
+        return dp_accounting.NoOpDpEvent()
+    probabilities = [math.comb(batches, m) * sample_rate**m * (1 - sample_rate) ** (batches - m)
+                     for m in range(batches + 1)]  # fmt: skip
+    mixture = dp_accounting.dp_event.MixtureOfGaussiansDpEvent(
+        standard_deviation=noise_multiplier,
+        sensitivities=[float(m) for m in range(batches + 1)],
+        sampling_probs=probabilities,
+    )
+    return dp_accounting.SelfComposedDpEvent(mixture, steps)
 
 
 def bandmf_event(

@@ -10,7 +10,9 @@ from grad_samplers import (
     embedding,  # noqa: F401  (registers nn.Embedding, nn.EmbeddingBag)
     linear,  # noqa: F401  (registers nn.Linear)
     normalization,  # noqa: F401  (registers LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
+    rnn,  # noqa: F401  (registers own forwards for nn.LSTM, nn.GRU, nn.RNN)
 )
+from grad_samplers import hf_conv1d
 from grad_samplers.registry import (
     ENTRY_POINT_GROUP,
     grad_sampler_for,
@@ -23,6 +25,14 @@ from grad_samplers.registry import (
     weighted_sum_sampler_for,
 )
 
+
+
+def register_optional_samplers() -> None:
+    """Register the samplers for layers of optional libraries that are imported by now (never imports
+    them): ``transformers.pytorch_utils.Conv1D``. Called when a model is wrapped."""
+    hf_conv1d.register_if_imported()
+
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "grad_sampler_for",
@@ -30,6 +40,7 @@ __all__ = [
     "norm_sampler_for",
     "register_grad_sampler",
     "register_norm_sampler",
+    "register_optional_samplers",
     "register_weighted_sum_sampler",
     "registered_grad_samplers",
     "weighted_sum_sampler_for",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -211,6 +212,83 @@ def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
+# ---------------------------------------------------------------------------------- own forwards
+@dataclass(frozen=True)
+class PerSampleForward:
+    """A layer type's own replacement for the ``vmap`` path (recurrent layers: their fused kernels have
+    no batching rule). ``forward`` has ``per_sample_forward``'s signature and contract;
+    ``output_batch_size(module, output)`` is the number of examples in the layer's output (None: unknown)."""
+
+    forward: Callable
+    output_batch_size: Callable[[nn.Module, object], int | None]
+    # ``(module, *args, **kwargs) -> output``: the layer's forward in operations that have batching rules,
+    # run instead of its forward when the layer sits inside another module's ``vmap`` (None: not needed).
+    vmap_forward: Callable | None = None
+
+
+_PER_SAMPLE_FORWARDS: dict[type[nn.Module], PerSampleForward] = {}
+
+
+def register_per_sample_forward(
+    *layer_types: type[nn.Module],
+    output_batch_size: Callable[[nn.Module, object], int | None],
+    vmap_forward: Callable | None = None,
+) -> Callable[[Callable], Callable]:
+    """Route the fallback of layers of these types (and of their subclasses that keep the class's
+    ``forward``) through ``function`` instead of ``vmap``.
+
+    Used only while the layer runs its class's own ``forward`` (an instance or subclass whose ``forward``
+    was replaced goes through ``vmap``)."""
+
+    def decorate(function: Callable) -> Callable:
+        for layer_type in layer_types:
+            _PER_SAMPLE_FORWARDS[layer_type] = PerSampleForward(function, output_batch_size, vmap_forward)
+        return function
+
+    return decorate
+
+
+def per_sample_forward_for(module: nn.Module) -> PerSampleForward | None:
+    """The registered replacement of the ``vmap`` path for ``module``'s type (or the registered class it
+    derives from without changing ``forward``), or None."""
+    for layer_type in type(module).__mro__:
+        own = _PER_SAMPLE_FORWARDS.get(layer_type)
+        if own is not None:
+            return own if type(module).forward is layer_type.forward else None
+    return None
+
+
+@contextlib.contextmanager
+def _own_forwards_under_vmap(module: nn.Module, module_path: str) -> Iterator[None]:
+    """While active, every layer strictly inside ``module``'s subtree that registered a ``vmap_forward``
+    (and whose forward is its class's) runs that instead of its forward (fused kernels without batching
+    rules: recurrent layers). An error raised meanwhile gets a note saying why those layers ran under
+    ``vmap`` and how to avoid it."""
+    replaced = []
+    try:
+        for inner in module.modules():
+            own = per_sample_forward_for(inner)
+            if inner is module or own is None or own.vmap_forward is None or "forward" in inner.__dict__:
+                continue
+            inner.forward = partial(own.vmap_forward, inner)
+            replaced.append(inner)
+        yield
+    except Exception as error:
+        if replaced and hasattr(error, "add_note"):
+            kinds = sorted({type(inner).__name__ for inner in replaced})
+            label = f"module {module_path!r}" if module_path else "the top-level module"
+            error.add_note(
+                f"{label} owns parameters itself, so it runs under the torch.func fallback (vmap, one example "
+                f"per call) together with the {'/'.join(kinds)} inside it; there a PackedSequence cannot be "
+                f"built or split per example. Move the own parameters of {label} into a child module: the "
+                f"recurrent layer then gets its exact per-sample gradients on its own, for any input."
+            )
+        raise
+    finally:
+        for inner in replaced:
+            del inner.forward
+
+
 # ---------------------------------------------------------------------------------- main entry
 class _ForwardOnly(nn.Module):
     """Runs ``forward`` (the module's own forward) with ``module``'s parameters swapped by
@@ -262,8 +340,13 @@ def per_sample_forward(
     MultiheadAttention, 3-D attn_mask           split as (batch, heads, queries, keys)
     MultiheadAttention, unbatched query         ValueError
     no tensor with a batch dimension            ValueError
+    type with a registered own forward          that forward (``register_per_sample_forward``)
     ==========================================  ==============================================
     """
+    own = per_sample_forward_for(module)
+    if own is not None and getattr(original_forward, "__func__", None) is type(module).forward:
+        return own.forward(module, original_forward, args, kwargs, params=params, batch_dim=batch_dim,
+                           module_path=module_path, on_per_sample_grad=on_per_sample_grad)
     plan = _call_plan(module, args, kwargs, batch_dim, module_path)
     layout = plan.arguments
     batch_size = layout.batch_size
@@ -309,11 +392,17 @@ def per_sample_forward(
 
     output_dims: list[int] = []
     batched = vmap(one_example, in_dims=(0, input_split_dims), out_dims=0, randomness="different")
-    with _attention_through_batched_ops(module):
+    with _attention_through_batched_ops(module), _own_forwards_under_vmap(module, module_path):
         stacked = batched(expanded, inputs)
     tensor_outputs = iter(tensor.movedim(0, dim) if dim else tensor for tensor, dim in zip(stacked, output_dims))
     spec, leaves = output_spec
     return tree_unflatten([next(tensor_outputs) if leaf is _TENSOR else leaf for leaf in leaves], spec)
 
 
-__all__ = ["PerSampleGradCallback", "per_sample_forward"]
+__all__ = [
+    "PerSampleForward",
+    "PerSampleGradCallback",
+    "per_sample_forward",
+    "per_sample_forward_for",
+    "register_per_sample_forward",
+]

@@ -47,21 +47,28 @@ _WEIGHTED_SUM_SAMPLERS: dict[type[nn.Module], WeightedSumSampler] = {}
 _plugins_loaded = False
 
 
-def _check_layer_types(layer_types: tuple[type, ...], decorator: str) -> None:
+def _check_layer_types(layer_types: tuple, decorator: str) -> tuple[type[nn.Module], ...]:
+    """The layer types a decorator was given, validated: ``(A, B)`` or, as Opacus writes it, one list
+    or tuple ``([A, B])``."""
+    if len(layer_types) == 1 and isinstance(layer_types[0], (list, tuple)):
+        layer_types = tuple(layer_types[0])
     if not layer_types:
         raise TypeError(f"{decorator}() needs at least one nn.Module subclass, e.g. {decorator}(nn.Linear)")
     for layer_type in layer_types:
         if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(f"{decorator}() takes nn.Module subclasses; got {layer_type!r}")
+            raise TypeError(f"{decorator}() takes nn.Module subclasses (or one list of them); got {layer_type!r}")
+    return layer_types
 
 
 def register_grad_sampler(*layer_types: type[nn.Module]) -> Callable[[GradSampler], GradSampler]:
     """Register a function computing exact per-sample gradients for layers of exactly these types.
 
     Lookup is by exact type (a subclass may change ``forward``, so it falls back to ``torch.func``
-    unless registered itself). Registering a type that already has a sampler replaces it.
+    unless registered itself). Registering a type that already has a sampler replaces it. The types
+    are given as arguments, ``register_grad_sampler(A, B)``, or as Opacus writes them, in one list:
+    ``register_grad_sampler([A, B])`` (the same for the norm and weighted-sum decorators).
     """
-    _check_layer_types(layer_types, "register_grad_sampler")
+    layer_types = _check_layer_types(layer_types, "register_grad_sampler")
 
     def decorate(function: GradSampler) -> GradSampler:
         for layer_type in layer_types:
@@ -73,7 +80,7 @@ def register_grad_sampler(*layer_types: type[nn.Module]) -> Callable[[GradSample
 
 def register_norm_sampler(*layer_types: type[nn.Module]) -> Callable[[NormSampler], NormSampler]:
     """Register a function computing per-sample squared gradient norms for layers of these types."""
-    _check_layer_types(layer_types, "register_norm_sampler")
+    layer_types = _check_layer_types(layer_types, "register_norm_sampler")
 
     def decorate(function: NormSampler) -> NormSampler:
         for layer_type in layer_types:
@@ -93,7 +100,7 @@ def register_weighted_sum_sampler(
     *layer_types: type[nn.Module],
 ) -> Callable[[WeightedSumSampler], WeightedSumSampler]:
     """Register a function computing ``sum_i weights[i] * grad_i`` for layers of these types."""
-    _check_layer_types(layer_types, "register_weighted_sum_sampler")
+    layer_types = _check_layer_types(layer_types, "register_weighted_sum_sampler")
 
     def decorate(function: WeightedSumSampler) -> WeightedSumSampler:
         for layer_type in layer_types:

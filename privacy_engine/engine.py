@@ -20,7 +20,6 @@ import functools
 import logging
 import math
 import numbers
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from accountants import (
     make_accountant,
 )
 from accountants.calibration import DEFAULT_TOLERANCE
+from privacy_engine import checkpoint, distributed
 from privacy_engine.clip_factors import validate_max_grad_norm
 from privacy_engine.clipper import (
     CLIPPING_MODES,
@@ -48,7 +48,9 @@ from privacy_engine.clipper import (
 from privacy_engine.grad_sample_module import LOSS_REDUCTIONS, GradSampleModule
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.optimizer import DPOptimizer, trainable_parameters
-from privacy_engine.sampling import DPDataLoader
+from privacy_engine.rewrap import plain_loader_for
+from privacy_engine.secure_random import SecureGenerator
+from privacy_engine.sampling import DPDataLoader, loader_index_set
 from privacy_engine.strategy import (
     expected_error,
     optimize_banded_toeplitz,
@@ -64,7 +66,9 @@ logger = logging.getLogger(__name__)
 # Opacus's default accountant is "prv" (a numerical privacy-loss accountant like PLD): it maps to
 # dp-accounting's PLD accountant here.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "ew", "no_op")
+# Opacus's "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
+# so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
 NOISE_MECHANISMS = ("gaussian", "bandmf")
 #: Band counts tried when ``noise_mechanism="bandmf"`` is given without ``num_bands`` (those the
 #: loader and the number of steps allow).
@@ -157,6 +161,8 @@ class _Plan:
     nan_safe: bool
     rescale_to_unit_norm: bool
     noise_plan: NoisePlan
+    #: This rank's part of a distributed (DDP) job; None for one process (privacy_engine.distributed).
+    distributed: distributed.DistributedJob | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,6 +278,7 @@ class PrivacyEngine:
         #: The noise set-up of the last ``make_private`` call (bands, coefficients, sigma, the band
         #: counts compared if ``num_bands`` was chosen automatically); None before any call.
         self.noise_plan: NoisePlan | None = None
+        self._optimizers_made = 0
 
     @property
     def num_bands(self) -> int | None:
@@ -355,13 +362,19 @@ class PrivacyEngine:
             clipping: ``"flat"`` or ``"per_layer"``.
             loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
             batch_first: the batch is dim 0 (True) or dim 1 of the model's inputs.
-            noise_seed: seed for reproducible noise (``None``: OS entropy).
+            noise_seed: seed for reproducible noise (``None``: one draw from torch's global generator,
+                so ``torch.manual_seed`` makes a run reproducible, as with Opacus; never in secure mode).
             noise_generator: Opacus's seeding: a ``torch.Generator`` that seeds the noise (one draw)
                 and drives Poisson sampling.
             grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
                 ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast
                 clipping inside the backward pass (``GhostClippingModule``), which then returns
-                ``(module, optimizer, criterion, data_loader)`` as Opacus does.
+                ``(module, optimizer, criterion, data_loader)`` as Opacus does. Opacus's ``"ew"``
+                (expanded weights) is an alias of ``"hooks"`` (the same exact gradients). ``"no_op"``:
+                the loop computes the per-sample gradients itself and sets ``p.grad_sample``
+                (``ManualGradSampleModule``: no hooks; see its guarantee).
+            data_loader: a ``DataLoader`` with ``batch_size`` set, or a ``DPDataLoader`` an earlier call
+                returned (re-planned from the plain loader it stands for, ``rewrap.plain_loader_for``).
             criterion: returned (unchanged) in ghost mode; default ``nn.CrossEntropyLoss``.
             noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
                 Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands``
@@ -427,7 +440,7 @@ class PrivacyEngine:
     ) -> tuple:
         """``make_private`` with the smallest noise multiplier that keeps the whole run within
         ``(target_epsilon, target_delta)``: calibrated with ``accountants.calibrate_noise_multiplier``
-        (this engine's accountant kind and settings) over ``steps = epochs * len(loader)`` steps of
+        (this engine's accountant kind and settings) over ``steps = epochs * len(private_loader)`` steps of
         the mechanism run (DP-SGD; BandMF's amplified event with its bands and cyclic sample rate;
         truncated sampling with ``max_batch_size``). ``optimizer.noise_multiplier`` holds the result.
 
@@ -438,7 +451,8 @@ class PrivacyEngine:
         ``total_steps`` (the steps the strategy is optimised for) defaults to the steps the private
         loader yields in ``epochs`` epochs.
 
-        Guarantee: running at most ``epochs * len(loader)`` steps (``len`` of the loader passed in;
+        Guarantee: running at most ``epochs * len(private_loader)`` steps (the private loader returned,
+        which yields ``round(examples / batch_size)`` batches an epoch, possibly more than the loader passed in;
         the private loader yields at most that many per epoch) keeps this engine's
         ``get_epsilon(target_delta) <= target_epsilon``, if nothing else was recorded before.
 
@@ -482,11 +496,28 @@ class PrivacyEngine:
         return self.accountant.get_epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
-        """The privacy ledger (accountant history): save it with the optimizer's state dict."""
-        return {"accountant": self.accountant.state_dict(), "secure_mode": self.secure_mode}
+        """The engine's part of a checkpoint, as plain data: the privacy ledger (accountant kind,
+        settings and history), ``secure_mode`` and ``noise_plan`` (a dict). Save it with the
+        optimizer's state dict, or use ``save_checkpoint``."""
+        return {
+            "accountant": self.accountant.state_dict(),
+            "secure_mode": self.secure_mode,
+            "noise_plan": checkpoint.plan_to_dict(self.noise_plan),
+        }
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first mismatch (secure_mode, accountant kind, a damaged
+        history, a noise plan other than this engine's) unless ``load_state_dict(state)`` would
+        restore it; changes nothing. See ``checkpoint.check_engine_state``."""
+        checkpoint.check_engine_state(self, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``: the accountant's history and the noise plan. Everything is
+        checked first (``check_state_dict``); on an error nothing changes."""
+        plan = checkpoint.check_engine_state(self, state)
         self.accountant.load_state_dict(state["accountant"])
+        if plan is not None:
+            self.noise_plan = plan
 
     def save_checkpoint(
         self,
@@ -495,44 +526,84 @@ class PrivacyEngine:
         module: nn.Module,
         optimizer: Optimizer | None = None,
         data_loader: DataLoader | None = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
         checkpoint_dict: dict | None = None,
+        module_state_dict_kwargs: dict[str, Any] | None = None,
+        torch_save_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """Save model, optimizer (with its DP state: the noise generators and BandMF's noise
-        history) and the privacy ledger to ``path`` (Opacus's method name), and the private
-        ``data_loader``'s sampling state if given.
+        """Save everything a run needs to resume exactly to ``path`` (Opacus's name and keywords,
+        plus ``data_loader``): the model, the optimizer with its DP state (noise mechanism:
+        generators, BandMF history and ring position; clipper; counters), the engine's ledger,
+        ``secure_mode`` and ``noise_plan``, the private loader's sampling state (generator,
+        position, cyclic groups), scheduler states, and ``checkpoint_dict``'s entries.
 
-        For BandMF pass the loader: its cyclic groups and step counter must carry over, or after
-        resuming an example could land in another group and take part fewer than b steps after
-        its last participation, which the accounting does not allow for.
+        Guarantee: the file is written atomically (temporary file in the same folder, fsync,
+        ``os.replace``): an exception or a kill while saving leaves the previous file at ``path``
+        intact and loadable. It holds only plain data (loads with ``torch.load(weights_only=True)``,
+        cannot run code) and a SHA-256 of its contents. In secure mode it holds no seed or
+        generator state (see ``privacy_engine.checkpoint`` for what it holds and how secret it is).
+
+        =========================================  =========================================
+        case                                       result (nothing written)
+        =========================================  =========================================
+        BandMF / cyclic sampling, no data_loader   ValueError: the loader state is needed
+        optimizer / data_loader not from           TypeError
+        make_private
+        checkpoint_dict holds a non-plain value    TypeError naming it
+        checkpoint_dict uses a reserved key        ValueError naming it
+        =========================================  =========================================
         """
-        checkpoint = dict(checkpoint_dict or {})
-        checkpoint["module_state_dict"] = module.state_dict()
-        checkpoint["privacy_engine_state_dict"] = self.state_dict()
-        if optimizer is not None:
-            checkpoint["optimizer_state_dict"] = optimizer.state_dict()
-        if data_loader is not None:
-            if not isinstance(data_loader, DPDataLoader):
-                raise TypeError("data_loader must be the DPDataLoader returned by make_private (it holds the sampling state)")
-            checkpoint["data_loader_state_dict"] = data_loader.state_dict()
-        torch.save(checkpoint, path)
+        payload = checkpoint.build_checkpoint(
+            self, module=module, optimizer=optimizer, data_loader=data_loader, noise_scheduler=noise_scheduler,
+            grad_clip_scheduler=grad_clip_scheduler, checkpoint_dict=checkpoint_dict,
+            module_state_dict_kwargs=module_state_dict_kwargs,
+        )  # fmt: skip
+        checkpoint.write_checkpoint(path, payload, **dict(torch_save_kwargs or {}))
 
     def load_checkpoint(
-        self, *, path: Any, module: nn.Module, optimizer: Optimizer | None = None, data_loader: DataLoader | None = None
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optimizer | None = None,
+        data_loader: DataLoader | None = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
+        module_load_dict_kwargs: dict[str, Any] | None = None,
+        torch_load_kwargs: dict[str, Any] | None = None,
     ) -> dict:
-        """Restore what ``save_checkpoint`` wrote (into the objects given); returns the whole
-        checkpoint dict. A ``data_loader`` given for a checkpoint saved without one raises
-        ``ValueError`` (before anything is restored): its cyclic groups could not be restored."""
-        # weights_only=False: the DP state holds generator states and the accountant's history.
-        checkpoint = torch.load(path, weights_only=False)
-        if data_loader is not None and "data_loader_state_dict" not in checkpoint:
-            raise ValueError("the checkpoint holds no data loader state: save it with save_checkpoint(data_loader=...)")
-        module.load_state_dict(checkpoint["module_state_dict"])
-        self.load_state_dict(checkpoint["privacy_engine_state_dict"])
-        if optimizer is not None and "optimizer_state_dict" in checkpoint:
-            optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
-        if data_loader is not None:
-            data_loader.load_state_dict(checkpoint["data_loader_state_dict"])
-        return checkpoint
+        """Restore what ``save_checkpoint`` wrote into the objects given (Opacus's name and
+        keywords, plus ``data_loader``); returns the checkpoint dict (``checkpoint_dict``'s entries
+        included).
+
+        Guarantee: the file is verified (header, SHA-256) before anything is unpickled, and
+        unpickled with ``weights_only=True``: a crafted file runs nothing. Then every part is
+        checked against the objects it goes into, and only then restored: on any mismatch a
+        ``checkpoint.CheckpointError`` (a ``ValueError``) names the file and the first mismatch
+        and says what to do, and model, optimizer, accountant, noise and loader are exactly as
+        they were (full table: ``checkpoint.restore_checkpoint``). ``optimizer=`` or
+        ``data_loader=`` given but absent from the file raises; a BandMF checkpoint needs
+        ``data_loader=`` and a file saved with it. After a restore the run continues after the
+        last released step: same noise, same batches, same epsilon as without the interruption
+        (secure mode: fresh OS randomness instead of the saved generators, which were never saved).
+
+        ``torch_load_kwargs`` may set ``map_location`` only (default CPU; the restore puts every
+        tensor on its parameter's device); ``weights_only`` is always True.
+        """
+        load_kwargs = dict(torch_load_kwargs or {})
+        if load_kwargs.pop("weights_only", True) is not True:
+            raise ValueError("load_checkpoint always unpickles with weights_only=True; a checkpoint never needs more")
+        map_location = load_kwargs.pop("map_location", "cpu")
+        if load_kwargs:
+            raise TypeError(f"torch_load_kwargs may set map_location only; got {sorted(load_kwargs)}")
+        payload = checkpoint.read_checkpoint(path, map_location=map_location)
+        checkpoint.restore_checkpoint(
+            self, payload, name=checkpoint._name(path), module=module, optimizer=optimizer, data_loader=data_loader,
+            noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+            module_load_dict_kwargs=module_load_dict_kwargs,
+        )  # fmt: skip
+        return payload
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -587,6 +658,10 @@ class PrivacyEngine:
             raise TypeError("optimizer: LBFGS re-evaluates the loss within a step and cannot be made private; use SGD/Adam")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch.utils.data.DataLoader; got {type(data_loader).__name__}")
+        if isinstance(data_loader, DPDataLoader):
+            # A loader an earlier make_private returned (Opacus scripts pass it again on a second run):
+            # planned from the plain loader it stands for (same examples, expected batch size).
+            data_loader = plain_loader_for(data_loader)
 
         # --- scalar options
         if noise_multiplier is not None:
@@ -616,6 +691,10 @@ class PrivacyEngine:
             raise ValueError("noise_generator must be None with secure_mode=True (secure noise is seeded from the OS only)")
         if noise_seed is not None and noise_generator is not None:
             raise ValueError("give noise_seed or noise_generator, not both")
+
+        # --- distributed training: a DDP-wrapped model is unwrapped (its inner module is hooked)
+        model, distributed_job = distributed.unwrap(model, noise_seed=noise_seed, noise_generator=noise_generator,
+                                                    secure_mode=self.secure_mode)  # fmt: skip
 
         # --- parameters: the optimizer's must be the model's trainable ones
         model_params = {id(p) for p in model.parameters()}
@@ -697,10 +776,17 @@ class PrivacyEngine:
         if data_loader.batch_size is None:
             raise ValueError("data_loader.batch_size is None: build the loader with batch_size set (the expected batch size)")
         num_examples, batch_size, steps_per_epoch = len(dataset), int(data_loader.batch_size), len(data_loader)
+        if poisson_sampling:
+            # Poisson sampling stays within the loader's own examples (a SubsetRandomSampler's split);
+            # samplers without a Poisson equivalent (weighted sampling) raise here, before any wrapping.
+            index_set = loader_index_set(data_loader)
+            num_examples = num_examples if index_set is None else int(index_set.numel())
         # What the private loaders yield per epoch (the Poisson loader's round(1 / q), and the cyclic
-        # one the same, so both mechanisms run equally many steps): never more than len(data_loader),
-        # over which make_private_with_epsilon calibrates.
+        # one the same, so both mechanisms run equally many steps). It can exceed len(data_loader)
+        # (drop_last with a fractional N / B, a subset sampler): calibration and the steps of a BandMF
+        # strategy count the steps that will actually run.
         private_steps_per_epoch = max(1, round(num_examples / batch_size))
+        accounted_steps_per_epoch = private_steps_per_epoch if poisson_sampling else steps_per_epoch
         if max_batch_size is not None:
             if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
                 raise ValueError(f"max_batch_size must be an int >= 1 (the cap on real examples per batch) or None; got {max_batch_size!r}")
@@ -716,16 +802,22 @@ class PrivacyEngine:
             noise_mechanism=noise_mechanism, num_bands=num_bands, bandmf_coefficients=bandmf_coefficients,
             total_steps=total_steps, epochs=epochs, noise_seed=noise_seed, noise_generator=noise_generator,
             noise_multiplier=sigma, target=target, poisson_sampling=poisson_sampling, num_examples=num_examples,
-            batch_size=batch_size, steps_per_epoch=steps_per_epoch, private_steps_per_epoch=private_steps_per_epoch,
-            max_batch_size=max_batch_size,
+            batch_size=batch_size, steps_per_epoch=accounted_steps_per_epoch,
+            private_steps_per_epoch=private_steps_per_epoch, max_batch_size=max_batch_size,
         )  # fmt: skip
         bands = choice.num_bands
 
         # --- sampling
         sampling_generator = noise_generator
         if self.secure_mode:
-            sampling_generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-        if bands > 1 or max_batch_size is not None:
+            # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed).
+            sampling_generator = SecureGenerator()
+        if distributed_job is not None:
+            # Each rank samples its part of one global (cyclic) Poisson sample; collective (agrees on a seed).
+            private_loader = distributed_job.private_loader(data_loader, num_groups=bands, max_batch_size=max_batch_size,
+                                                            poisson_sampling=poisson_sampling,
+                                                            steps=private_steps_per_epoch)  # fmt: skip
+        elif bands > 1 or max_batch_size is not None:
             # The group counter runs on across epochs, so an epoch need not be a multiple of b.
             private_loader = DPDataLoader.cyclic(data_loader, bands, max_batch_size=max_batch_size,
                                                  generator=sampling_generator, steps=private_steps_per_epoch)  # fmt: skip
@@ -746,7 +838,7 @@ class PrivacyEngine:
         # --- the noise multiplier: given, or calibrated for the mechanism now fixed
         noise_multiplier = choice.noise_multiplier
         if target is not None:
-            noise_multiplier = _calibrate(self.accountant, target, sample_rate, epochs * steps_per_epoch, num_bands=bands,
+            noise_multiplier = _calibrate(self.accountant, target, sample_rate, epochs * accounted_steps_per_epoch, num_bands=bands,
                                           group_size=group_size, max_batch_size=max_batch_size)  # fmt: skip
         # Validates what the accountant will be given, recording nothing.
         self.accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=bands,
@@ -758,7 +850,7 @@ class PrivacyEngine:
             sample_rate=sample_rate,
             expected_batch_size=expected_batch_size,
             coefficients=choice.coefficients,
-            total_steps=choice.total_steps if target is None else (choice.total_steps or epochs * steps_per_epoch),
+            total_steps=choice.total_steps if target is None else (choice.total_steps or epochs * accounted_steps_per_epoch),
             group_size=group_size,
             max_batch_size=max_batch_size,
             candidates=choice.candidates,
@@ -784,6 +876,7 @@ class PrivacyEngine:
             nan_safe=nan_safe,
             rescale_to_unit_norm=rescale_to_unit_norm,
             noise_plan=noise_plan,
+            distributed=distributed_job,
         )
 
     @staticmethod
@@ -964,6 +1057,9 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ building
     def _build(self, plan: _Plan) -> tuple:
+        if plan.distributed is not None:
+            # Every rank must plan the same mechanism: compared across ranks (collective), raising on all.
+            distributed.agree(plan, accountant=self.accountant, secure_mode=self.secure_mode)
         noise_multiplier = plan.noise_plan.noise_multiplier
         clipper = PerSampleGradientClipper(
             plan.params,
@@ -994,11 +1090,26 @@ class PrivacyEngine:
             accountant=ledger,
             sample_rate=plan.sample_rate,
             padding_mask_source=padding_mask_source,
+            # Each optimizer of this engine is its own mechanism in the ledger (the first keeps "").
+            source="" if self._optimizers_made == 0 else str(self._optimizers_made),
+            per_user_clipping=False,
         )
+        self._optimizers_made += 1
+        if plan.distributed is not None:
+            # Noise drawn on rank 0, then one all-reduce of clipped sums + noise per global step.
+            distributed.configure(dp_optimizer, plan.distributed)
+        if isinstance(private_loader, DPDataLoader):
+            dp_optimizer.attach_loader(private_loader)
         self.noise_plan = plan.noise_plan
         # Wrapped last: its constructor hooks the model, and nothing after it can fail.
+        if plan.grad_sample_mode == "no_op":
+            from privacy_engine.manual_grad_sample import ManualGradSampleModule
+
+            return ManualGradSampleModule(plan.model, batch_first=plan.batch_first,
+                                          loss_reduction=plan.loss_reduction), dp_optimizer, private_loader  # fmt: skip
         if plan.grad_sample_mode != "ghost":
             wrapped = GradSampleModule(plan.model, batch_first=plan.batch_first, loss_reduction=plan.loss_reduction)
+            dp_optimizer._bind_if_ours(wrapped)
             return wrapped, dp_optimizer, private_loader
         # Imported here: only the ghost mode needs it.
         from privacy_engine.ghost_clipping import GhostClippingModule
@@ -1007,6 +1118,7 @@ class PrivacyEngine:
         # The optimizer's current_padding_mask follows the loader's mask (and VirtualSteps' slices
         # of it), so padding examples contribute zero in ghost mode as well.
         ghost.attach_clipper(clipper, padding_mask_source=dp_optimizer.current_padding_mask)
+        dp_optimizer._bind_if_ours(ghost)
         # Opacus returns a wrapped criterion in ghost mode; here clipping happens inside the ordinary
         # backward pass, so the criterion is returned as given (default: cross-entropy).
         criterion = plan.criterion if plan.criterion is not None else nn.CrossEntropyLoss(reduction=plan.loss_reduction)

@@ -65,9 +65,11 @@ from grad_samplers.linear import linear_squared_norms, linear_weighted_sums
 from grad_samplers.registry import GradSampler
 from privacy_engine.grad_sample_module import (
     _HOOKED_MODULES,
+    _expand_batch,
     GradSampleModule,
     ParameterUsageError,
 )
+from privacy_engine.step_contract import register_wrapper
 from privacy_engine.validation import module_label
 
 __all__ = ["GRAD_SAMPLE_MODES", "GhostClippingModule"]
@@ -142,6 +144,7 @@ class _Use:
     grads: Callable | None = None
     consumed: bool = False
     grad_shape: torch.Size | None = None
+    generation: int = 0  # the training forward this call belongs to (see GradSampleModule._check_live)
 
 
 def _shared_parameters(uses: Sequence[_Use]) -> set:
@@ -338,6 +341,7 @@ class GhostClippingModule(GradSampleModule):
         self._clipper_param_ids = known
         self._clipper_takes_ownership = _takes_ownership(clipper)
         self._padding_mask_source = padding_mask_source
+        register_wrapper(self)  # binds the private optimizer that owns this clipper, if any
 
     @property
     def clipper(self):
@@ -376,7 +380,18 @@ class GhostClippingModule(GradSampleModule):
             self._pass = None  # left over from a backward pass that raised
         return super().forward(*args, **kwargs)
 
+    def _check_second_pass(self, ticket) -> None:
+        # Norms of two passes over the same examples cannot be added (cross terms): refuse before the
+        # second backward instead of clipping each example twice.
+        if self._consumer.contract.already_contributed(ticket):
+            raise RuntimeError(
+                "ghost clipping: a second backward pass over the same batch before optimizer.step(): each "
+                "example would be clipped twice. Add the losses and call backward once per batch, or use "
+                "grad_sample_mode='hooks' (which sums the passes per example before clipping)."
+            )
+
     def _gate(self, use: _Use, output: torch.Tensor, in_place: bool) -> torch.Tensor:
+        use.generation = self._generation
         self._pending.add(use)
         params = tuple(param for param, _ in use.parts)
         return _OutputGate.apply(partial(self._on_output_grad, use), in_place, output, *params)
@@ -438,12 +453,18 @@ class GhostClippingModule(GradSampleModule):
                     f"ghost clipping: {module_label(path)} ({type(layer).__name__}) returned "
                     f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
                 )
-            self._note_batch_size(path, output.shape[self._batch_dim])
+            broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+            activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            if broadcast_to is not None:
+                # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
+                # gate, so that G arrives per example.
+                activations = self._broadcast_activations(path, layer, activations, broadcast_to)
+                output = _expand_batch(output, self._batch_dim, broadcast_to)
             use = _Use(
                 path=path,
                 layer=layer,
                 parts=tuple((param, None) for _, param in trainable),
-                activations=tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                activations=activations,
                 norms=norms,
                 sums=sums,
                 grads=grads,
@@ -457,7 +478,8 @@ class GhostClippingModule(GradSampleModule):
         # .grad (which would receive the unclipped sum).
         stand_ins = {name: p.detach().requires_grad_() for name, p in params.items()}
         real_of = {id(stand_ins[name]): p for name, p in params.items()}
-        use = _Use(path=path, layer=module, parts=tuple((p, None) for p in params.values()))
+        use = _Use(path=path, layer=module, parts=tuple((p, None) for p in params.values()),
+                   generation=self._generation)  # fmt: skip
         self._pending.add(use)
 
         def on_per_sample_grad(stand_in: torch.Tensor, grads: torch.Tensor) -> None:
@@ -615,6 +637,7 @@ class GhostClippingModule(GradSampleModule):
         return self._pass
 
     def _on_output_grad(self, use: _Use, grads: torch.Tensor) -> None:
+        self._check_live(use.generation)
         activations = use.activations
         if activations is None:
             raise RuntimeError(
@@ -666,6 +689,7 @@ class GhostClippingModule(GradSampleModule):
         state.deferred.append((use, use.sums, activations, grads))
 
     def _on_fallback_grad(self, use: _Use, param: nn.Parameter, grads: torch.Tensor) -> None:
+        self._check_live(use.generation)
         state = self._current_pass()
         use.consumed = True
         state.note_batch(use.path, grads.shape[0])
@@ -686,7 +710,10 @@ class GhostClippingModule(GradSampleModule):
         padding_mask, self._padding_mask = self._padding_mask, None
         if state is None or state.batch is None:
             return
-        if padding_mask is None and self._padding_mask_source is not None:
+        ticket = self._forward_ticket if self._consumer is not None else None
+        if padding_mask is None and ticket is not None and ticket.tracked:
+            padding_mask = ticket.mask()  # the mask travels with this pass's own batch
+        elif padding_mask is None and self._padding_mask_source is not None:
             padding_mask = self._padding_mask_source()
         clipper = self._clipper
         batch_size = state.batch[1]
@@ -757,6 +784,8 @@ class GhostClippingModule(GradSampleModule):
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
             else:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
+            if ticket is not None:
+                self._consumer.contract.contributed(ticket)
 
     def _check_known(self, squared: dict[nn.Parameter, torch.Tensor]) -> None:
         if all(id(param) in self._clipper_param_ids for param in squared):

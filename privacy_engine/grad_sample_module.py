@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
+from collections import OrderedDict
 from functools import partial
 from typing import Dict, List, Optional, Tuple
 
@@ -25,9 +26,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from grad_samplers import grad_sampler_for
-from grad_samplers.functorch_fallback import per_sample_forward
+from grad_samplers import grad_sampler_for, register_optional_samplers
+from grad_samplers.functorch_fallback import per_sample_forward, per_sample_forward_for
 from grad_samplers.registry import GradSampler
+from privacy_engine.step_contract import forget_wrapper, register_wrapper
 from privacy_engine.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -132,10 +134,23 @@ class GradSampleModule(nn.Module):
         # forward overrides set on an instance before wrapping: put back on unwrapping, not deleted
         self._instance_forwards: Dict[nn.Module, object] = {}
         self._released = False
+        # The step contract (privacy_engine.step_contract), set when a DPOptimizer binds this wrapper:
+        # which batch each forward ran on, and per-pass clipping of the per-sample gradients.
+        self._consumer = None  # the DPOptimizer whose clipper takes this wrapper's backward passes
+        self._generation = 0  # training forwards so far; a backward checks its forward is still live
+        self._generation_tickets: Dict[int, object] = {}
+        self._forward_ticket = None  # the batch of the newest training forward
+        self._grad_sample_ticket = None  # the batch whose completed backward passes fill grad_sample
+        self._backward_running = False
         self._owner_paths: Dict[nn.Parameter, str] = {}
         self._in_forward = False
         self._inside_fallback = False
         self._forward_batch: Optional[Tuple[str, int]] = None
+        # Broadcast layers (batch 1 in a forward of batch B): see _note_batch_size. Reset per forward
+        # by the pre-hook on the wrapped module.
+        self._input_batch: Optional[int] = None  # the batch size the wrapper's inputs suggest, if unambiguous
+        self._forward_single: Optional[str] = None  # first layer left at batch 1 while no batch was known
+        self._forward_broadcast: Optional[Tuple[str, int]] = None  # first layer expanded to the batch
         self._check_state = "pending"  # -> "armed" at the first forward, "done" after the first backward
         self._check_sums: Dict[nn.Parameter, torch.Tensor] = {}
         self._check_magnitudes: Dict[nn.Parameter, float] = {}  # sum_i ||g_i||: the scale of rounding errors
@@ -143,14 +158,17 @@ class GradSampleModule(nn.Module):
         try:
             for path, layer, sampler in self._plan(module):
                 self._attach(path, layer, sampler)
+            self._handles.append(module.register_forward_pre_hook(self._note_input_batch, with_kwargs=True))
         except BaseException:
             self._detach()
             raise
+        register_wrapper(self)
 
     # ------------------------------------------------------------------ wrapping
     @staticmethod
     def _plan(root: nn.Module) -> List[Tuple[str, nn.Module, Optional[GradSampler]]]:
         """(path, module, sampler or None for the fallback) for each module owning parameters."""
+        register_optional_samplers()  # samplers for layers of libraries imported since (HF Conv1D)
         plan: List[Tuple[str, nn.Module, Optional[GradSampler]]] = []
 
         def visit(path: str, module: nn.Module) -> None:
@@ -195,6 +213,8 @@ class GradSampleModule(nn.Module):
         The wrapper is unusable afterwards: calling it raises instead of silently computing nothing.
         """
         self._released = True
+        forget_wrapper(self)
+        self._consumer = None
         self._detach()
         for param in self._module.parameters():
             if hasattr(param, "grad_sample"):
@@ -221,24 +241,161 @@ class GradSampleModule(nn.Module):
                 self._finish_usage_check()
                 self._check_state = "pending"
         self._forward_batch = None
+        bound = self._consumer is not None and self.training and torch.is_grad_enabled()
+        if bound:
+            self._before_bound_forward()
         self._in_forward = True
         try:
-            return self._module(*args, **kwargs)
+            output = self._module(*args, **kwargs)
         finally:
             self._in_forward = False
+        if bound:
+            self._after_bound_forward(args, kwargs)
+        return output
 
-    def _note_batch_size(self, path: str, batch_size: int) -> None:
-        if not self._in_forward:
+    # ------------------------------------------------------------------ the step contract
+    def bind(self, consumer) -> None:
+        """Send each backward pass's per-sample gradients to ``consumer`` (a ``DPOptimizer``): a pass is
+        clipped on its own unless the previous pass ran on the same batch (then they are summed per
+        example first). ``DPOptimizer`` binds the wrappers of its parameters itself."""
+        self._consumer = consumer
+
+    def _before_bound_forward(self) -> None:
+        if self._backward_running:
+            # The last backward raised part-way: its per-sample gradients are incomplete.
+            self._discard_grad_samples()
+        self._consumer.sync_private_parameters()
+        self._generation += 1
+
+    def _after_bound_forward(self, args, kwargs) -> None:
+        contract = self._consumer.contract
+        batch_size = self._forward_batch_size()
+        if batch_size is None:
+            return  # nothing trainable ran (every layer frozen): no per-sample gradients to tie
+        previous = self._forward_ticket
+        ticket = contract.resolve(args, kwargs, batch_size)
+        self._check_second_pass(ticket)
+        if previous is not None and not ticket.same_rows(previous):
+            if self._grad_sample_ticket is None and not contract.already_contributed(previous):
+                contract.abandon(previous)  # its backward never ran; a later forward may use the batch
+            self._generation_tickets = {}
+        if self._grad_sample_ticket is not None and not ticket.same_rows(self._grad_sample_ticket):
+            self.flush_grad_samples()
+        self._generation_tickets[self._generation] = ticket
+        self._forward_ticket = ticket
+        contract.check_parameters_unchanged(self._consumer.params, where="a forward")
+
+    def _forward_batch_size(self) -> Optional[int]:
+        """The batch size the last forward's layers saw (None if no trainable layer ran)."""
+        if self._forward_batch is not None:
+            return self._forward_batch[1]
+        if getattr(self, "_forward_broadcast", None) is not None:
+            return self._forward_broadcast[1]
+        if getattr(self, "_forward_single", None) is not None:
+            return 1
+        return None
+
+    def _check_second_pass(self, ticket) -> None:
+        """Hooks mode sums a second backward pass over the same examples into the first (see ``_accumulate``)."""
+
+    def _check_live(self, generation: int) -> None:
+        """Raise if a backward reaches the forward of a batch that a later forward replaced."""
+        if self._consumer is None:
             return
-        if self._forward_batch is None:
-            self._forward_batch = (path, batch_size)
-        elif self._forward_batch[1] != batch_size:
-            first_path, first_size = self._forward_batch
-            raise ValueError(
-                f"the batch size differs between inputs of one forward: {module_label(path)} got "
-                f"{batch_size} examples (dim {self._batch_dim}) but {module_label(first_path)} got "
-                f"{first_size}. Give every input the same batch size (batch_first={self.batch_first})."
+        ticket = self._generation_tickets.get(generation)
+        if ticket is None or not ticket.same_rows(self._forward_ticket):
+            raise RuntimeError(
+                "a backward pass reached the forward of an earlier batch after the model ran on another batch: "
+                "the per-sample gradients of two batches would be mixed. Run backward for each forward before "
+                "the next batch's forward (or use VirtualSteps for gradient accumulation)."
             )
+
+    def flush_grad_samples(self) -> None:
+        """Hand the completed backward passes' per-sample gradients to the bound optimizer's clipper."""
+        ticket, self._grad_sample_ticket = self._grad_sample_ticket, None
+        if ticket is not None and self._consumer is not None and not self._backward_running:
+            self._consumer.accumulate_pass(ticket)
+
+    def _discard_grad_samples(self) -> None:
+        self.clear_grad_sample()
+        self._grad_sample_ticket = None
+        self._backward_running = False
+
+    def _backward_done(self) -> None:
+        self._backward_running = False
+        if self._consumer is not None:
+            self._grad_sample_ticket = self._forward_ticket
+
+    def _note_input_batch(self, module: nn.Module, args, kwargs) -> None:
+        """Forward pre-hook on the wrapped module: start a forward's batch bookkeeping."""
+        self._input_batch = _input_batch_size(args, kwargs, self._batch_dim)
+        self._forward_single = None
+        self._forward_broadcast = None
+
+    def _note_batch_size(self, path: str, batch_size: int) -> Optional[int]:
+        """Check a layer's output batch size against the forward's; return the size to expand the
+        output to when the layer is a broadcast (None otherwise).
+
+        The forward's batch size B is that of the first layer output whose batch size is not 1, or,
+        before any such output, the batch size most of the wrapper's tensor inputs have (no tie).
+        A layer output with 1 example while B != 1 is shared by every example (position embeddings
+        looked up with ``position_ids`` of shape (1, T), a learned prefix): it is expanded to B so
+        that its output gradient arrives per example. Any other difference is an error.
+        """
+        if not self._in_forward:
+            return None
+        dim = self._batch_dim
+        established = self._forward_batch
+        if established is None:
+            target = self._input_batch if batch_size == 1 else None
+            if target is None or target == 1:
+                self._forward_batch = (path, batch_size)
+                if batch_size == 1:
+                    self._forward_single = path  # batch 1 for now; a later layer may show a larger batch
+                return None
+            self._forward_batch = self._forward_broadcast = (path, target)
+            return target
+        if batch_size == established[1]:
+            return None
+        if batch_size == 1:
+            if self._forward_broadcast is None:
+                self._forward_broadcast = (path, established[1])
+            return established[1]
+        if established[0] == self._forward_single:
+            raise ValueError(
+                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
+                f"example (dim {dim}) but {module_label(path)}, later, got {batch_size}. A layer whose output is "
+                f"shared by every example (broadcast) can only be separated per example once the batch size is "
+                f"known: from an earlier layer, or from the inputs (most tensor inputs of the wrapper having the "
+                f"batch size). Pass that layer's input with the batch size (e.g. position_ids of shape "
+                f"(batch, seq_len)) or give every input the same batch size (batch_first={self.batch_first})."
+            )
+        if self._forward_broadcast is not None and established[0] == self._forward_broadcast[0]:
+            raise ValueError(
+                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
+                f"example and was treated as shared by the {established[1]} examples the inputs suggest, but "
+                f"{module_label(path)} got {batch_size} examples (dim {dim}). Give the wrapper's inputs the "
+                f"batch size of the model (batch_first={self.batch_first})."
+            )
+        raise ValueError(
+            f"the batch size differs between inputs of one forward: {module_label(path)} got "
+            f"{batch_size} examples (dim {dim}) but {module_label(established[0])} got "
+            f"{established[1]}. Give every input the same batch size (batch_first={self.batch_first})."
+        )
+
+    def _broadcast_activations(self, path: str, layer: nn.Module, args: tuple, batch_size: int) -> tuple:
+        """A broadcast layer's inputs with their batch dimension of 1 expanded to ``batch_size`` (views):
+        every example saw the same input."""
+        dim = self._batch_dim
+        if isinstance(layer, nn.EmbeddingBag) and isinstance(args[0], torch.Tensor) and args[0].dim() == 1:
+            raise ValueError(
+                f"{module_label(path)} (EmbeddingBag with 1-D input and offsets) returned 1 bag in a forward of "
+                f"{batch_size} examples; a bag shared by every example needs 2-D input (1, bag_size)"
+            )
+        return tuple(
+            _expand_batch(a, dim, batch_size) if isinstance(a, torch.Tensor) and a.dim() > dim and a.shape[dim] == 1 else a
+            for a in args
+        )
 
     def _capture(self, path: str, sampler: GradSampler, layer: nn.Module, args, kwargs, output):
         # The wrapper's mode decides, not the layer's: a layer kept in eval mode while the model trains
@@ -249,14 +406,19 @@ class GradSampleModule(nn.Module):
             return None
         if not any(p.requires_grad for p in layer.parameters(recurse=False)):
             return None
-        self._note_batch_size(path, output.shape[self._batch_dim])
+        broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
         if kwargs:
             bound = inspect.signature(layer.forward).bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
         held = [tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)]
+        if broadcast_to is not None:
+            held[0] = self._broadcast_activations(path, layer, held[0], broadcast_to)
+
+        generation = self._generation
 
         def on_output_grad(backprops: torch.Tensor) -> None:
+            self._check_live(generation)
             activations = held[0]
             if activations is None:
                 raise RuntimeError(
@@ -267,6 +429,13 @@ class GradSampleModule(nn.Module):
             held[0] = None  # free the inputs as soon as their backward has run
             self._layer_backward(path, layer, sampler, activations, backprops)
 
+        if broadcast_to is not None:
+            # Shared by every example: handed on expanded (a view, no copy) so that each example's
+            # output gradient arrives separately. An expanded tensor cannot be modified in place, so
+            # the hook on it cannot be lost.
+            output = _expand_batch(output, self._batch_dim, broadcast_to)
+            output.register_hook(on_output_grad)
+            return output
         hooked, reshape_to = output, None
         if output._base is not None:
             # A hook on a view is lost if the view is later modified in place (ReLU(inplace=True)
@@ -313,7 +482,7 @@ class GradSampleModule(nn.Module):
                 params=params,
                 batch_dim=self._batch_dim,
                 module_path=path,
-                on_per_sample_grad=self._fallback_backward,
+                on_per_sample_grad=partial(self._fallback_backward_of, self._generation),
             )
         finally:
             self._inside_fallback = False
@@ -321,6 +490,14 @@ class GradSampleModule(nn.Module):
         return output
 
     def _note_output_batch_size(self, path: str, module: nn.Module, output) -> None:
+        own = per_sample_forward_for(module)
+        if own is not None:
+            # A layer with its own per-sample forward says where its examples are (a PackedSequence's
+            # examples are its sequences, not the rows of its data).
+            batch_size = own.output_batch_size(module, output)
+            if batch_size is not None:
+                self._note_batch_size(path, batch_size)
+            return
         first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
         if first is None:
             return
@@ -329,7 +506,14 @@ class GradSampleModule(nn.Module):
         output_batch_dim = self._batch_dim
         if type(module) is nn.MultiheadAttention:
             output_batch_dim = 0 if module.batch_first else 1
-        self._note_batch_size(path, first.shape[output_batch_dim])
+        if self._note_batch_size(path, first.shape[output_batch_dim]) is not None:
+            # Its per-sample gradients were taken over its own single example; they cannot be split
+            # after the fact (only layers with a grad sampler are expanded to the batch).
+            raise ValueError(
+                f"{module_label(path)} ({type(module).__name__}, per-sample gradients through torch.func) got 1 "
+                f"example in a forward of {self._forward_batch[1]}: its output is shared by every example. Give "
+                f"its input the batch size (expand it to the batch before calling the module)."
+            )
 
     # ------------------------------------------------------------------ backward
     def _layer_backward(self, path: str, layer: nn.Module, sampler: GradSampler, activations, backprops) -> None:
@@ -361,6 +545,10 @@ class GradSampleModule(nn.Module):
                 )
             self._accumulate(param, grads, batch_size)
 
+    def _fallback_backward_of(self, generation: int, param: nn.Parameter, grads: torch.Tensor) -> None:
+        self._check_live(generation)
+        self._fallback_backward(param, grads)
+
     def _fallback_backward(self, param: nn.Parameter, grads: torch.Tensor) -> None:
         batch_size = grads.shape[0]
         if self.loss_reduction == "mean":
@@ -370,7 +558,18 @@ class GradSampleModule(nn.Module):
     def _accumulate(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
         if self._check_state == "armed":
             self._record_for_usage_check(param, grads, batch_size)
+        if self._consumer is not None and not self._backward_running:
+            self._backward_running = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         existing = getattr(param, "grad_sample", None)
+        if existing is not None and existing.shape[0] != grads.shape[0]:
+            # Row i of each must be the same example for a per-example sum; never broadcast.
+            raise RuntimeError(
+                f"parameter {self._param_names.get(param, '?')!r} holds per-sample gradients of {existing.shape[0]} "
+                f"examples from an earlier backward pass, and this pass has {grads.shape[0]}: they are different "
+                f"examples and cannot be added row by row. Call optimizer.step() (or clip_and_accumulate()) "
+                f"between batches, or use VirtualSteps for gradient accumulation."
+            )
         # Out of place: `grads` may alias the autograd buffer still in use by this backward.
         param.grad_sample = grads if existing is None else existing + grads
 
@@ -451,7 +650,9 @@ class GradSampleModule(nn.Module):
         return self._module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self._module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load into the wrapped module: its own keys, or Opacus's (every key prefixed ``_module.``,
+        as a checkpoint of an Opacus-wrapped model has them)."""
+        return self._module.load_state_dict(strip_wrapper_prefix(state_dict, self._module), strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
         try:
@@ -467,6 +668,55 @@ class GradSampleModule(nn.Module):
 
     def trainable_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+
+def _input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:
+    """The size at ``batch_dim`` that most tensor inputs (with such a dim) have; None on a tie or none.
+
+    A tie is left undecided on purpose: ``(mask of shape (T, T), x of shape (1, T, E))`` and
+    ``(input_ids (B, T), position_ids (1, T))`` look alike, and guessing wrong would copy one example
+    T times. Layers' outputs decide then (see ``GradSampleModule._note_batch_size``).
+    """
+    counts: Dict[int, int] = {}
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
+            counts[leaf.shape[batch_dim]] = counts.get(leaf.shape[batch_dim], 0) + 1
+    if not counts:
+        return None
+    ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        return None
+    return ranked[0][0]
+
+
+def _expand_batch(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = size
+    return tensor.expand(shape)
+
+
+WRAPPER_PREFIX = "_module."
+
+
+def strip_wrapper_prefix(state_dict, module: nn.Module):
+    """``state_dict`` with Opacus's ``_module.`` key prefix removed, if it was saved from a wrapper
+    (every key has the prefix and none of ``module``'s own keys has it); otherwise unchanged. The
+    ``_metadata`` (per-module versions) is translated with the keys."""
+    keys = list(state_dict.keys())
+    if not keys or not all(key.startswith(WRAPPER_PREFIX) for key in keys):
+        return state_dict
+    if any(key.startswith(WRAPPER_PREFIX) for key in module.state_dict().keys()):
+        return state_dict
+    stripped = OrderedDict((key[len(WRAPPER_PREFIX) :], value) for key, value in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        root = WRAPPER_PREFIX[:-1]
+        stripped._metadata = OrderedDict(
+            ("" if name == root else name[len(WRAPPER_PREFIX) :], value)
+            for name, value in metadata.items()
+            if name == root or name.startswith(WRAPPER_PREFIX)
+        )
+    return stripped
 
 
 def per_sample_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -24,34 +24,50 @@ vectors in a ring buffer.
 from __future__ import annotations
 
 import abc
+import functools
 import math
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from privacy_engine.interrupts import deferred_keyboard_interrupt
+from privacy_engine.secure_random import full_entropy_generator
 from privacy_engine.strategy import validated_coefficients
 
 __all__ = ["BandMFNoise", "GaussianNoise", "NoiseMechanism"]
 
-# In secure mode the noise is the sum of this many independent draws (each with std s / 2), one
-# per independently OS-seeded generator. torch's CPU generator keeps only 32 bits of a seed, so
-# one generator would leave the noise brute-forceable from 2**32 candidates; four give 128 bits.
+# In secure mode each noise value is the sum of this many independent draws (each with std s / 2),
+# one per generator, every generator's state set from OS entropy (``full_entropy_generator``: the
+# whole 19937-bit Mersenne Twister state on CPU, 64 seed bits for Philox on CUDA). The sum is not
+# there for entropy but against floating-point attacks: one sampler's outputs form a sparse,
+# uneven set of floats that can betray the value the noise was added to; a sum of four blurs it.
 _SECURE_MODE_GENERATORS = 4
 
 
-def _os_entropy_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little")
+def _global_generator_seed() -> int:
+    """A 62-bit seed drawn from torch's global CPU generator (what ``torch.manual_seed`` sets)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
 
 
-def _derived_seed(seed: int, device_index: int, generator_index: int) -> int:
+def _derived_seed(seed: int, device_index: int, generator_index: int, layout: int = 0) -> int:
     # SeedSequence spawns statistically independent streams for each (device, generator) pair
     # from one user seed; neighbouring integers as seeds would be correlated for some PRNGs.
-    sequence = np.random.SeedSequence(entropy=seed, spawn_key=(device_index, generator_index))
+    # ``layout`` counts layout restarts: each restart gets fresh streams (noise is never reused).
+    key = (device_index, generator_index) if layout == 0 else (device_index, generator_index, layout)
+    sequence = np.random.SeedSequence(entropy=seed, spawn_key=key)
     return int(sequence.generate_state(1, dtype=np.uint64)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _generator_state_size(device_type: str) -> int | None:
+    """Bytes in a ``get_state()`` of a generator on this device type (None if none can be made here)."""
+    try:
+        return int(torch.Generator(device=device_type).get_state().numel())
+    except (RuntimeError, TypeError):
+        return None
 
 
 def _noise_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -84,12 +100,32 @@ class NoiseMechanism(abc.ABC):
     Gaussian draws); this base class owns validation, per-device generators, the flat layout of
     the tensors, and checkpointing.
 
+    Secure mode. What it promises: no seed search recovers the noise. Each device's four
+    generators get their state straight from the OS (``secure_random.full_entropy_generator``:
+    19937 bits per CPU generator, 64 per CUDA generator, instead of the 32 bits torch's
+    ``manual_seed`` keeps on CPU), and no seed or generator state is ever written to a
+    ``state_dict``, so a checkpoint cannot reproduce future noise (a resumed secure run draws
+    fresh OS-seeded generators). What it does not promise, and what to do about it:
+
+    * The generators (Mersenne Twister on CPU, Philox on CUDA) are statistically strong, not
+      cryptographically secure; full-entropy state rules out seed search, not a structural
+      attack from many exact outputs (the outputs are only ever seen summed four at a time and
+      added to gradients).
+    * Floating-point attacks on Gaussian sampling (Mironov 2012 for Laplace; Holohan & Braghin
+      2021, Jin et al. 2022 for Gaussian samplers): the floats a sampler can produce are sparse
+      and uneven, so the exact bits of ``gradient + noise`` can say more about the gradient than
+      the real-valued analysis allows. Summing four draws blurs the pattern (a mitigation, not a
+      proof). A user who needs more: release only post-processed values that discard low bits
+      (round the trained weights to a coarse grid before publishing them), keep intermediate
+      checkpoints private, and keep float64 gradients so the noise is drawn in float64.
+    * BandMF's ``state_dict`` still holds its history (past noise, which with the released
+      gradients reveals past clipped gradients): keep a checkpoint as secret as the data.
+
     Args:
         seed: seeds every generator reproducibly (each device gets its own derived stream).
-            ``None``: seed from OS entropy.
-        secure_mode: seed from OS entropy only (a user ``seed`` raises ``ValueError``) and draw
-            each noise value as the sum of four independent draws from four independently
-            seeded generators, so the noise is not recoverable from a 32-bit seed.
+            ``None``: one draw from torch's global generator (so ``torch.manual_seed`` makes the
+            run reproducible, as with Opacus), recorded in ``state_dict`` for resuming.
+        secure_mode: OS entropy only (a user ``seed`` raises ``ValueError``), as described above.
     """
 
     def __init__(self, *, seed: int | None = None, secure_mode: bool = False) -> None:
@@ -104,14 +140,33 @@ class NoiseMechanism(abc.ABC):
         if seed is not None and seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.secure_mode = bool(secure_mode)
-        self._seed = None if secure_mode else (_os_entropy_seed() if seed is None else int(seed))
+        # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
+        # torch.manual_seed alone makes a run reproducible (never in secure mode).
+        self._seed = None if secure_mode else (_global_generator_seed() if seed is None else int(seed))
         self._step = 0
+        self._layout_restarts = 0  # see restart_layout
         self._signature: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...] | None = None
         self._groups: list[_DeviceGroup] = []
         self._pending_devices: list[dict[str, Any]] | None = None
         self._pending_signature: list | None = None
 
     # ------------------------------------------------------------------ public interface
+    def restart_layout(self) -> None:
+        """Forget the layout (and BandMF's noise history): the next ``add_noise_`` lays the noise out
+        over the tensors it is given, e.g. after parameters were unfrozen.
+
+        Guarantee: the step count and the seeded stream continue (the new generators are derived
+        from the seed and the number of restarts, so no noise value is drawn twice). For BandMF the
+        correlation restarts: the strategy becomes block-diagonal, still b-banded with column norms
+        at most ``||c||_2``, so the same accounting holds (each participation still touches at most
+        b rows with that norm); only the noise cancellation across the restart is lost.
+        """
+        self._layout_restarts += 1
+        self._signature = None
+        self._groups = []
+        if hasattr(self, "_ring_position"):
+            self._ring_position = 0
+
     @property
     def step(self) -> int:
         """Number of steps taken (calls to ``add_noise_``)."""
@@ -122,7 +177,12 @@ class NoiseMechanism(abc.ABC):
         """Standard deviation ``s`` of the fresh Gaussian draws ``z_t`` (see subclasses)."""
 
     def add_noise_(
-        self, tensors: Sequence[torch.Tensor], noise_multiplier: float, max_grad_norm: float
+        self,
+        tensors: Sequence[torch.Tensor],
+        noise_multiplier: float,
+        max_grad_norm: float,
+        *,
+        on_commit: Callable[[], None] | None = None,
     ) -> None:
         """Add this step's noise in place to each tensor and advance the step index by one.
 
@@ -135,6 +195,16 @@ class NoiseMechanism(abc.ABC):
         skipped, reused or scaled beyond what the mechanism defines); the step index advances
         by one per successful call, and a call rejected by validation changes nothing.
 
+        Transactional: the noise is drawn and formed in scratch buffers and added to
+        ``tensors``; only then is the step committed (``on_commit()``, then the BandMF history
+        row, ring position and step index), with Ctrl-C held off (``deferred_keyboard_interrupt``).
+        If anything raises before the commit (``KeyboardInterrupt`` included, ``on_commit``
+        included), the generators are put back and the mechanism is exactly as before the call;
+        ``tensors`` may then hold part of the noise and must be discarded. ``on_commit`` is
+        where a caller records the release (the accountant): it runs only when the noise is in
+        place and the step is committed if and only if it returns. A ``KeyboardInterrupt`` that
+        arrives during the commit is raised after it: the step then counts as taken.
+
         =========================  ==============================================
         case                       result
         =========================  ==============================================
@@ -145,6 +215,7 @@ class NoiseMechanism(abc.ABC):
         max_grad_norm < 0/NaN      ValueError, nothing changed
         tensors empty / not float  ValueError, nothing changed
         shapes differ from step 0  ValueError, nothing changed
+        exception before commit    re-raised, mechanism unchanged
         =========================  ==============================================
         """
         scale = self._validated_noise_scale(noise_multiplier, max_grad_norm)
@@ -154,24 +225,49 @@ class NoiseMechanism(abc.ABC):
         self._before_step(scale)
         if not self._groups:
             self._initialise(tensors, signature)
-        with torch.no_grad():
+        drawn = std > 0.0
+        # Drawing advances the generators: their states are kept (a few KB) so that a failed
+        # step can be undone; the noise itself is formed in scratch buffers, never in the history.
+        generator_states = [[g.get_state() for g in group.generators] for group in self._groups] if drawn else []
+        committed = False
+        try:
+            with torch.no_grad():
+                if drawn:
+                    for group in self._groups:
+                        self._ensure_buffers(group)
+                        self._fill_standard_noise(group, std)
+                        row_scale = self._form_noise(group)
+                        self._add_to_tensors(group, [tensors[i] for i in group.tensor_indices], row_scale)
+                with deferred_keyboard_interrupt():
+                    if on_commit is not None:
+                        on_commit()
+                    self._commit(drawn)
+                    committed = True
+        except BaseException:
+            if not committed:
+                for group, states in zip(self._groups, generator_states):
+                    for generator, state in zip(group.generators, states):
+                        generator.set_state(state)
+            raise
+
+    def _commit(self, drawn: bool) -> None:
+        """Make this step's noise part of the state (the only place a step changes it)."""
+        if drawn:
             for group in self._groups:
-                if std > 0.0:
-                    self._ensure_buffers(group)
-                    self._fill_standard_noise(group, std)
-                    row_scale = self._form_noise(group)
-                    self._add_to_tensors(
-                        group, [tensors[i] for i in group.tensor_indices], row_scale
-                    )
+                self._commit_noise(group)
         self._after_step()
         self._step += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the exact noise sequence: step index, generator states,
-        and for BandMF the noise history and ring position.
+        """Everything needed to continue the noise sequence: step index, seed, generator states,
+        and for BandMF the noise history and ring position. Plain types only (tensors, numbers,
+        strings, lists, dicts): it loads with ``torch.load(..., weights_only=True)``.
 
-        The returned tensors are CPU copies. The state contains past noise (BandMF history) and
-        the generator states that determine future noise: keep it as secret as the gradients.
+        The returned tensors are CPU copies. Outside secure mode the state determines all future
+        noise (seed and generator states): keep it as secret as the gradients. In secure mode no
+        seed and no generator state is included (``"generator_states": None``): a resumed run
+        draws fresh OS-seeded generators, so the state does not reproduce future noise; it still
+        holds BandMF's history (past noise), needed to continue the correlated noise.
         """
         devices = []
         for group in self._groups:
@@ -181,7 +277,7 @@ class NoiseMechanism(abc.ABC):
                     "device": str(group.device),
                     "numel": group.numel,
                     "dtype": str(group.dtype),
-                    "generator_states": [g.get_state() for g in group.generators],
+                    "generator_states": None if self.secure_mode else [g.get_state() for g in group.generators],
                     "history": history,
                 }
             )
@@ -204,27 +300,14 @@ class NoiseMechanism(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from ``state_dict`` so the run continues with exactly the noise the
-        uninterrupted run would have added. The tensors passed to the next ``add_noise_`` must
-        match the saved ones (same shapes, dtypes, number of devices, order).
+        uninterrupted run would have added (secure mode: the same history and ring position, with
+        fresh OS-seeded generators). The tensors passed to the next ``add_noise_`` must match the
+        saved ones (same shapes, dtypes, number of devices, order).
 
-        Raises ``ValueError`` (and changes nothing) if the state belongs to another mechanism
-        type, other coefficients, or another ``secure_mode``.
+        Raises ``ValueError`` (and changes nothing) on anything ``check_state_dict`` rejects.
         """
-        if state.get("mechanism") != type(self).__name__:
-            raise ValueError(
-                f"state was saved by {state.get('mechanism')!r}, cannot load it into "
-                f"{type(self).__name__}"
-            )
-        if bool(state["secure_mode"]) != self.secure_mode:
-            raise ValueError(
-                f"state was saved with secure_mode={state['secure_mode']}, this mechanism has "
-                f"secure_mode={self.secure_mode}; build the mechanism with the same secure_mode"
-            )
-        self._check_extra_state(state)
+        self.check_state_dict(state)
         devices = state["devices"]
-        if self._groups and devices:
-            self._check_saved_devices(devices)
-            self._check_tensors_match_saved(state["signature"])
         # Everything validated: from here on the state is changed.
         self._seed = state["seed"]
         self._step = int(state["step"])
@@ -240,6 +323,101 @@ class NoiseMechanism(abc.ABC):
             self._pending_devices = list(devices) if devices else None
             self._pending_signature = state["signature"] if devices else None
 
+    def check_state_dict(self, state: Any, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """Raise ``ValueError`` naming the first problem (and what to do) unless
+        ``load_state_dict(state)`` would restore it; changes nothing.
+
+        ``tensors``: what the next ``add_noise_`` will receive (the parameters, whose gradients
+        have their shapes and dtypes), to check the saved layout before the first step; once the
+        mechanism has stepped, its own layout is used.
+
+        ================================================  ================================
+        state problem                                     error names
+        ================================================  ================================
+        not a dict / missing key                          the key
+        another mechanism, coefficients, column norm.      mechanism / coefficients
+        secure_mode differs                               secure_mode
+        step, seed, ring position of the wrong type       the field
+        other device count, sizes, dtypes, device type    the device
+        generator state of the wrong kind or size         generator_states
+        (a secure state holds none; a plain one must)
+        history of the wrong shape                        history
+        tensors of other shapes / dtypes                  the first differing tensor
+        ================================================  ================================
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"noise state must be a dict (from NoiseMechanism.state_dict()); got {type(state).__name__}")
+        missing = [k for k in ("mechanism", "step", "secure_mode", "seed", "signature", "devices") if k not in state]
+        if missing:
+            raise ValueError(f"noise state is missing {missing}: it was not written by NoiseMechanism.state_dict()")
+        if state["mechanism"] != type(self).__name__:
+            raise ValueError(
+                f"noise state was saved by a {state['mechanism']!r} mechanism and cannot be loaded into "
+                f"{type(self).__name__}: build the run with the same noise mechanism as the saved one"
+            )
+        if not isinstance(state["secure_mode"], bool) or state["secure_mode"] != self.secure_mode:
+            raise ValueError(
+                f"noise state was saved with secure_mode={state['secure_mode']!r}, this mechanism has "
+                f"secure_mode={self.secure_mode}; build the mechanism with the same secure_mode"
+            )
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"noise state's step must be an int >= 0; got {step!r}")
+        seed = state["seed"]
+        if self.secure_mode and seed is not None:
+            raise ValueError("a secure-mode noise state must not hold a seed; this one does (it was altered)")
+        if not self.secure_mode and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"noise state's seed must be an int >= 0; got {seed!r}")
+        self._check_extra_state(state)
+        devices = state["devices"]
+        if not isinstance(devices, list):
+            raise ValueError(f"noise state's devices must be a list; got {type(devices).__name__}")
+        if not devices:
+            return  # saved before its first step: only the seed and counters are restored
+        signature = self._checked_saved_signature(state["signature"], devices)
+        if self._groups:
+            layout, current = self._groups, [(list(shape), str(dtype)) for shape, dtype, _ in self._signature]
+        elif tensors is not None:
+            tensors = list(tensors)
+            layout = self._layout(tensors)
+            current = [(list(t.shape), str(t.dtype)) for t in tensors]
+        else:
+            layout, current = None, None
+        if current is not None:
+            saved = [(list(shape), dtype) for shape, dtype, _ in signature]
+            if len(saved) != len(current):
+                raise ValueError(
+                    f"noise state was saved over {len(saved)} tensors, this run has {len(current)}: resume with the "
+                    "same trainable parameters in the same order"
+                )
+            for index, (a, b) in enumerate(zip(saved, current)):
+                if a != b:
+                    raise ValueError(
+                        f"noise state's tensor {index} was (shape {a[0]}, {a[1]}), this run's is (shape {b[0]}, "
+                        f"{b[1]}): resume with the same trainable parameters in the same order"
+                    )
+        self._check_saved_devices(devices, layout)
+
+    @staticmethod
+    def _checked_saved_signature(signature: Any, devices: list) -> list:
+        if not isinstance(signature, list) or not signature:
+            raise ValueError("noise state has devices but no signature (the tensors it was laid out over)")
+        for entry in signature:
+            if (
+                not isinstance(entry, (list, tuple))
+                or len(entry) != 3
+                or not isinstance(entry[0], (list, tuple))
+                or not all(isinstance(n, int) and n >= 0 for n in entry[0])
+                or not isinstance(entry[1], str)
+                or not isinstance(entry[2], str)
+            ):
+                raise ValueError(f"noise state's signature entry {entry!r} is not (shape, dtype, device)")
+        if sum(math.prod(entry[0]) for entry in signature) != sum(
+            d.get("numel", -1) if isinstance(d, dict) else -1 for d in devices
+        ):
+            raise ValueError("noise state's signature and devices disagree on the number of entries (it was altered)")
+        return signature
+
     # ------------------------------------------------------------------ subclass hooks
     def _before_step(self, noise_scale: float) -> None:
         """Validate step-dependent conditions before anything is changed.
@@ -251,8 +429,11 @@ class NoiseMechanism(abc.ABC):
 
     def _form_noise(self, group: _DeviceGroup) -> float:
         """Turn ``group.noise`` (iid N(0, s^2)) into this step's noise; return a scale to apply
-        when adding it to the tensors."""
+        when adding it to the tensors. Must not change the mechanism's state (see ``_commit``)."""
         return 1.0
+
+    def _commit_noise(self, group: _DeviceGroup) -> None:
+        """Keep what later steps need of this step's noise (``group.noise``), once it is committed."""
 
     def _history_rows(self) -> int:
         return 0
@@ -344,34 +525,9 @@ class NoiseMechanism(abc.ABC):
 
     # ------------------------------------------------------------------ state handling
     def _initialise(self, tensors: list[torch.Tensor], signature: tuple) -> None:
-        by_device: dict[torch.device, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            by_device.setdefault(tensor.device, []).append(index)
-        groups = []
-        for device_index, (device, indices) in enumerate(by_device.items()):
-            offsets, numel = [], 0
-            for index in indices:
-                offsets.append(numel)
-                numel += tensors[index].numel()
-            count = _SECURE_MODE_GENERATORS if self.secure_mode else 1
-            generators = []
-            for generator_index in range(count):
-                generator = torch.Generator(device=device)
-                if self.secure_mode:
-                    generator.manual_seed(_os_entropy_seed())
-                else:
-                    generator.manual_seed(_derived_seed(self._seed, device_index, generator_index))
-                generators.append(generator)
-            groups.append(
-                _DeviceGroup(
-                    device=device,
-                    tensor_indices=indices,
-                    offsets=offsets,
-                    numel=numel,
-                    dtype=_noise_dtype([tensors[i].dtype for i in indices]),
-                    generators=generators,
-                )
-            )
+        groups = self._layout(tensors)
+        for device_index, group in enumerate(groups):
+            group.generators = self._new_generators(group.device, device_index)
         pending = self._pending_devices
         if pending is not None:
             self._check_saved_devices(pending, groups)
@@ -383,13 +539,29 @@ class NoiseMechanism(abc.ABC):
             self._pending_devices = None
             self._pending_signature = None
 
-    def _check_tensors_match_saved(self, saved_signature: list | None) -> None:
-        current = [(list(shape), str(dtype)) for shape, dtype, _ in self._signature]
-        if saved_signature is None or current != [(list(a), b) for a, b, _ in saved_signature]:
-            raise ValueError(
-                "saved state was taken over tensors of other shapes/dtypes than this "
-                "mechanism's; load it into a mechanism used with the same parameters"
-            )
+    @staticmethod
+    def _layout(tensors: list[torch.Tensor]) -> list[_DeviceGroup]:
+        """The tensors grouped by device and laid end to end per device (no generators yet)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_device.setdefault(tensor.device, []).append(index)
+        groups = []
+        for device, indices in by_device.items():
+            offsets, numel = [], 0
+            for index in indices:
+                offsets.append(numel)
+                numel += tensors[index].numel()
+            dtype = _noise_dtype([tensors[i].dtype for i in indices])
+            groups.append(_DeviceGroup(device=device, tensor_indices=indices, offsets=offsets, numel=numel,
+                                       dtype=dtype, generators=[]))  # fmt: skip
+        return groups
+
+    def _new_generators(self, device: torch.device, device_index: int) -> list[torch.Generator]:
+        if self.secure_mode:
+            return [full_entropy_generator(device) for _ in range(_SECURE_MODE_GENERATORS)]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_derived_seed(self._seed, device_index, 0, self._layout_restarts))
+        return [generator]
 
     def _ensure_buffers(self, group: _DeviceGroup) -> None:
         if group.noise is not None:
@@ -431,41 +603,73 @@ class NoiseMechanism(abc.ABC):
         for target, noise in other_dtype:
             target.add_(noise.to(target.dtype) if scale == 1.0 else (noise * scale).to(target.dtype))
 
-    def _check_saved_devices(
-        self, devices: list[dict[str, Any]], groups: list[_DeviceGroup] | None = None
-    ) -> None:
-        groups = self._groups if groups is None else groups
+    def _check_saved_devices(self, devices: list[Any], groups: list[_DeviceGroup] | None = None) -> None:
+        """Each saved device entry is well-formed and, when ``groups`` (a layout) is known, fits it."""
+        expected_rows = self._history_rows()
+        for number, saved in enumerate(devices):
+            where = f"noise state's device {number}"
+            if not isinstance(saved, dict) or not {"device", "numel", "dtype", "generator_states", "history"} <= set(saved):
+                raise ValueError(f"{where} is not a device entry written by NoiseMechanism.state_dict()")
+            try:
+                device_type = torch.device(saved["device"]).type
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(f"{where} names no device ({saved['device']!r})") from error
+            numel = saved["numel"]
+            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+                raise ValueError(f"{where} has numel {numel!r}; expected an int >= 0")
+            states = saved["generator_states"]
+            if self.secure_mode and states is not None:
+                raise ValueError(f"{where} holds generator states, which a secure-mode state never does (altered?)")
+            if not self.secure_mode:
+                if not isinstance(states, list) or len(states) != 1:
+                    raise ValueError(f"{where}: generator_states must be a list of one generator state")
+                size = _generator_state_size(device_type)
+                for state in states:
+                    if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1
+                            and (size is None or state.numel() == size)):  # fmt: skip
+                        raise ValueError(
+                            f"{where}: generator_states must hold uint8 {device_type} generator states"
+                            + ("" if size is None else f" of {size} bytes")
+                        )
+            history = saved["history"]
+            if history is not None:
+                if not expected_rows:
+                    raise ValueError(f"{where} holds a noise history, which {type(self).__name__} has none of")
+                if not isinstance(history, torch.Tensor) or not history.is_floating_point():
+                    raise ValueError(f"{where}: history must be a floating-point tensor")
+                if tuple(history.shape) != (expected_rows, numel):
+                    raise ValueError(
+                        f"{where}: history has shape {tuple(history.shape)}, expected {(expected_rows, numel)}"
+                    )
+        if groups is None:
+            return
         if len(devices) != len(groups):
             raise ValueError(
-                f"saved state covers {len(devices)} device(s), the tensors are on {len(groups)}"
+                f"noise state covers {len(devices)} device(s), this run's parameters are on {len(groups)}: resume "
+                "with the parameters on the same devices"
             )
         for saved, group in zip(devices, groups):
             if saved["numel"] != group.numel or saved["dtype"] != str(group.dtype):
                 raise ValueError(
-                    f"saved state has {saved['numel']} {saved['dtype']} noise entries for "
+                    f"noise state has {saved['numel']} {saved['dtype']} noise entries for "
                     f"{saved['device']}, the tensors on {group.device} need {group.numel} "
                     f"{group.dtype}: resume with the same parameters"
                 )
             if torch.device(saved["device"]).type != group.device.type:
                 raise ValueError(
-                    f"saved generator state is for a {torch.device(saved['device']).type} device, "
+                    f"noise state's generators are for a {torch.device(saved['device']).type} device, "
                     f"the tensors are on {group.device.type}: generator states do not transfer "
-                    "between device types"
-                )
-            if len(saved["generator_states"]) != len(group.generators):
-                raise ValueError("saved state has a different number of generators per device")
-            expected_rows = self._history_rows()
-            history = saved["history"]
-            if expected_rows and history is not None and tuple(history.shape) != (expected_rows, group.numel):
-                raise ValueError(
-                    f"saved history has shape {tuple(history.shape)}, expected "
-                    f"{(expected_rows, group.numel)}"
+                    "between device types; resume on the same kind of device"
                 )
 
     def _restore_devices(self, devices: list[dict[str, Any]]) -> None:
-        for saved, group in zip(devices, self._groups):
-            for generator, generator_state in zip(group.generators, saved["generator_states"]):
-                generator.set_state(generator_state)
+        for device_index, (saved, group) in enumerate(zip(devices, self._groups)):
+            if saved["generator_states"] is None:
+                # Secure mode: no state was saved; new OS-seeded generators continue the run.
+                group.generators = self._new_generators(group.device, device_index)
+            else:
+                for generator, generator_state in zip(group.generators, saved["generator_states"]):
+                    generator.set_state(generator_state)
             if saved["history"] is not None:
                 group.history = saved["history"].to(device=group.device, dtype=group.dtype).clone()
             elif group.history is not None:
@@ -481,7 +685,8 @@ class GaussianNoise(NoiseMechanism):
     tensors and steps.
 
     Args:
-        seed: reproducible noise (per device, a derived stream). ``None``: OS entropy.
+        seed: reproducible noise (per device, a derived stream). ``None``: seeded from torch's global
+            generator (see ``NoiseMechanism``).
         secure_mode: OS-entropy seeds only (``seed`` must be None); see ``NoiseMechanism``.
     """
 
@@ -641,8 +846,12 @@ class BandMFNoise(NoiseMechanism):
             group.noise.addmv_(
                 group.history.t(), group.ring_weights[position], beta=1.0 / c_0, alpha=-1.0 / c_0
             )
-            group.history[position].copy_(group.noise)
         return self._row_scale(self._step)
+
+    def _commit_noise(self, group: _DeviceGroup) -> None:
+        # x_t replaces x_{t-b+1} (no longer needed) in the ring, only now that the step is taken.
+        if self.num_bands > 1:
+            group.history[self._ring_position].copy_(group.noise)
 
     def _extra_state(self) -> dict[str, Any]:
         return {

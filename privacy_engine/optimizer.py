@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from privacy_engine.clipper import ClippingStats, MaxGradNorm, PerSampleGradientClipper
 from privacy_engine.grad_sample_module import LOSS_REDUCTIONS
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.step_contract import BatchTicket, Release, StepContract, register_optimizer
 
 __all__ = ["DPOptimizer"]
 
@@ -105,6 +106,8 @@ class DPOptimizer(Optimizer):
         accountant: Any | None = None,
         sample_rate: float | None = None,
         padding_mask_source: Callable[[], torch.Tensor | None] | None = None,
+        source: str = "",
+        per_user_clipping: bool = True,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -180,6 +183,22 @@ class DPOptimizer(Optimizer):
         self.steps_taken = 0  # released (noised) steps
         self._skip_next_step = False
         self._in_logical_step = False  # a skipped step left clipped sums for the next one
+        #: What the open step contains and the checks before a release (privacy_engine.step_contract).
+        self.contract = StepContract()
+        #: Accountant entries of this optimizer are tagged with it, so several private optimizers on one
+        #: accountant compose as separate mechanisms.
+        self.source = str(source)
+        #: Whether ``clip_and_accumulate(group_ids=...)`` is allowed: the engine's optimizers sample and
+        #: account per example, so per-user clipping would be accounted wrongly there.
+        self.per_user_clipping = bool(per_user_clipping)
+        #: Called with the clipped sums (the .grad tensors) before noise is added: the distributed
+        #: all-reduce hooks in here (privacy_engine.distributed).
+        self.reduce_clipped_sums: Callable[[list[torch.Tensor]], None] | None = None
+        #: A privacy budget consulted before every release (privacy_engine.budget); None for none.
+        self.budget: Any | None = None
+        self._all_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._grad_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (id(.grad), version) we left
+        register_optimizer(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # Optimizer.__getstate__ keeps only defaults/state/param_groups; a copy needs everything.
@@ -232,6 +251,81 @@ class DPOptimizer(Optimizer):
             f"original_optimizer={self.original_optimizer!r})"
         )
 
+    # ------------------------------------------------------------------ the step contract
+    def _bind_if_ours(self, wrapper: Any) -> None:
+        """Bind a GradSampleModule whose trainable parameters this optimizer clips (or a fast-clipping
+        wrapper attached to this optimizer's clipper)."""
+        if hasattr(wrapper, "attach_clipper"):
+            if wrapper.clipper is not self.clipper:
+                return
+        else:
+            mine = {id(p) for p in self._all_params}
+            theirs = [p for p in wrapper.wrapped_module.parameters() if p.requires_grad]
+            if not theirs or any(id(p) not in mine for p in theirs):
+                return
+        wrapper.bind(self)
+        self.contract.attach_module(wrapper)
+
+    def attach_loader(self, loader: Any) -> None:
+        """Tie this optimizer's steps to the batches of a private loader (``DPDataLoader``)."""
+        self.contract.attach_queue(loader.tickets)
+
+    def sync_private_parameters(self) -> None:
+        """Read which of the optimizer's parameters are trainable now, and clip and noise exactly those.
+
+        A parameter unfrozen since the last step joins the clipper (flat clipping: under the same
+        bound; per-layer with one total bound: as a group of its own, the bound split anew) and the
+        noise layout restarts over the new set (BandMF: a fresh correlation, which keeps the
+        guarantee); a parameter frozen since gets no noise and no update. Raises ``ValueError``
+        naming the parameter, changing nothing, when the set changes in the middle of a step (after
+        a backward pass) or when per-layer bounds were given one by one.
+        """
+        active = [p for p in self._all_params if p.requires_grad]
+        current = self.clipper.params
+        if len(active) == len(current) and all(a is b for a, b in zip(active, current)):
+            return
+        changed = [p for p in active if all(p is not q for q in current)] or [
+            p for p in current if all(p is not q for q in active)
+        ]
+        position = next(i for i, p in enumerate(self._all_params) if p is changed[0])
+        what = f"optimizer parameter #{position} (shape {tuple(changed[0].shape)})"
+        if self.clipper.has_accumulated or self._in_logical_step or any(
+            getattr(p, "grad_sample", None) is not None for p in current
+        ):
+            raise ValueError(
+                f"{what} was frozen or unfrozen in the middle of a step (after a backward pass): change "
+                f"requires_grad between optimizer.step() and the next forward"
+            )
+        if not active:
+            raise ValueError("every parameter of the optimizer is frozen: nothing to train privately")
+        config = self.clipper.config
+        if isinstance(config.max_grad_norm, tuple):
+            raise ValueError(
+                f"{what} changed requires_grad, but max_grad_norm gives one bound per group: the new set of "
+                f"parameters has no bounds. Give one total bound (clipping='per_layer' splits it) or freeze "
+                f"parameters before make_private."
+            )
+        groups = None
+        if config.clipping == "per_layer":
+            kept = [[p for p in group if any(p is a for a in active)] for group in self.clipper.groups]
+            grouped = {id(p) for group in kept for p in group}
+            groups = [g for g in kept if g] + [[p] for p in active if id(p) not in grouped]
+        clipper = PerSampleGradientClipper(active, config.max_grad_norm, clipping=config.clipping, groups=groups,
+                                           nan_safe=config.nan_safe,
+                                           rescale_to_unit_norm=config.rescale_to_unit_norm)  # fmt: skip
+        for module in self.contract.modules:
+            if hasattr(module, "attach_clipper"):
+                module.attach_clipper(clipper, padding_mask_source=module._padding_mask_source)
+        self.noise.restart_layout()
+        self.clipper = clipper
+
+    def accumulate_pass(self, ticket: BatchTicket) -> None:
+        """Clip one completed backward pass's per-sample gradients (``grad_sample``) with its own
+        batch's padding mask, and note the batch as part of the open step."""
+        padding_mask = ticket.mask() if ticket.tracked else self.current_padding_mask()
+        self.clipper.clip_and_accumulate(padding_mask=padding_mask)
+        self.contract.contributed(ticket)
+
     # ------------------------------------------------------------------ DP steps
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only clip and accumulate (a micro-batch that does not close
@@ -244,8 +338,22 @@ class DPOptimizer(Optimizer):
         """Clip the waiting per-sample gradients into the accumulator (see
         ``PerSampleGradientClipper.clip_and_accumulate``). ``padding_mask`` defaults to
         ``padding_mask_source()``. Call it yourself for per-user clipping (``group_ids``)."""
+        if group_ids is not None and not self.per_user_clipping:
+            raise ValueError(
+                "group_ids (per-user clipping) with an optimizer from make_private: its loader samples and its "
+                "accountant accounts single examples, so removing one example could change a user's clipped sum by "
+                "up to 2 * max_grad_norm. Sample users (one entry per user, holding all their examples) and clip "
+                "per entry instead."
+            )
+        if group_ids is not None and (self._in_logical_step or self._skip_next_step):
+            raise ValueError(
+                "group_ids (per-user clipping) inside a logical batch split into micro-batches: a user split across "
+                "micro-batches would be clipped once per micro-batch. Clip per user on whole logical batches."
+            )
         if padding_mask is None:
             padding_mask = self.current_padding_mask()
+        if self._has_grad_samples():
+            self.contract.contributed(BatchTicket(loader_step=None, size=0))
         self.clipper.clip_and_accumulate(padding_mask=padding_mask, group_ids=group_ids)
 
     def current_padding_mask(self) -> torch.Tensor | None:
@@ -258,39 +366,120 @@ class DPOptimizer(Optimizer):
         return any(getattr(p, "grad_sample", None) is not None for p in self.clipper.params)
 
     def pre_step(self) -> bool:
-        """Clip what is waiting; if this step is not skipped, write the private gradient (clipped
-        sum + noise, divided by the expected batch size) into ``.grad`` and record the step.
-        Returns whether the wrapped optimizer should step now."""
+        """Clip what is waiting; if this step is not skipped, check what the release contains (see
+        ``privacy_engine.step_contract``), write the private gradient (clipped sum + noise, divided by
+        the expected batch size) into ``.grad`` and record the step. Returns whether the wrapped
+        optimizer should step now. Every check raises before anything is released or counted."""
+        self.sync_private_parameters()
+        for module in self.contract.modules:
+            module.flush_grad_samples()
         if self._has_grad_samples():
             self.clip_and_accumulate()
         if self._skip_next_step:
             self._skip_next_step = False
             self._in_logical_step = True
             return False
+        params = self.clipper.params
+        release = self.contract.close()
+        rows, loader_step = self._check_release(release, params)
         self._in_logical_step = False
         self.last_clipping_stats = self.clipper.pre_step()
-        grads = [p.grad for p in self.clipper.params]
+        grads = [p.grad for p in params]
         try:
+            if self.reduce_clipped_sums is not None:
+                self.reduce_clipped_sums(grads)
+            step_kwargs = self._accounting_kwargs(release, rows)
+            if self.budget is not None:
+                self.budget.check_release(self.accountant, **step_kwargs)
+            for _ in range(rows - 1):
+                # BandMF rows of batches the loop drew and never released: drawn and discarded, so each
+                # released batch gets the noise row of its own step (and its group's min-separation).
+                self.noise.add_noise_([torch.zeros_like(g) for g in grads], self.noise_multiplier,
+                                      self.clipper.sensitivity)  # fmt: skip
             self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity)
         except BaseException:
             # The .grad tensors hold the un-noised clipped sum: never leave it where a later
             # optimizer step could use it.
-            for param in self.clipper.params:
+            for param in params:
                 param.grad = None
             raise
         self.steps_taken += 1
+        self.contract.released(release, loader_step)
         if self.accountant is not None:
             # Every released step is recorded, an empty batch's too: its noise was drawn for a
             # batch that could have held any example.
-            self.accountant.step(
-                noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, num_bands=self.num_bands
-            )
+            self.accountant.step(**step_kwargs)
         if self.loss_reduction == "mean":
             # Divide by the expected batch size, not the realised one: the realised size depends
             # on which examples were sampled, and dividing by it would release that number
             # without noise (and change the sensitivity).
-            torch._foreach_div_(grads, self.expected_batch_size)
+            torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, 1))
+        for param in self._all_params:
+            if not param.requires_grad:
+                param.grad = None  # frozen: no noise, no update
+        self._grad_marks = {id(p): (id(p.grad), p.grad._version) for p in params}
+        self._run_step_hooks()
         return True
+
+    def _accounting_kwargs(self, release: Release, rows: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "num_bands": self.num_bands,
+        }  # fmt: skip
+        if rows != 1:
+            kwargs["num_steps"] = rows
+        if self.source:
+            kwargs["source"] = self.source
+        if release.num_draws > 1:
+            kwargs["batches_per_step"] = release.num_draws
+        return kwargs
+
+    def _check_release(self, release: Release, params: list[nn.Parameter]) -> tuple[int, int | None]:
+        """Check what the step is about to release; return (noise rows to advance, loader step)."""
+        contract = self.contract
+        if release.untracked and contract.has_loader:
+            raise RuntimeError(
+                "this step would release gradients of data that the private loader did not draw (a forward on "
+                "tensors not yielded by the loader make_private returned): the accounting covers only the sampled "
+                "batches. Train on the private loader's batches."
+            )
+        if release.num_draws == 0 and not release.untracked and not self.clipper.has_accumulated:
+            stray = [i for i, p in enumerate(self._all_params) if p.requires_grad and self._has_stray_gradient(p)]
+            if stray:
+                raise RuntimeError(
+                    f"optimizer parameters {stray} have gradients from a backward pass that produced no per-sample "
+                    f"gradients: the model was in eval() mode, not the wrapped model returned by make_private, or "
+                    f"its hooks were removed. Nothing was released. Call model.train() on the wrapped model before "
+                    f"the forward (or zero_grad() to drop these gradients)."
+                )
+        contract.check_parameters_unchanged(params, where="optimizer.step()")
+        if release.num_draws > 1 and (self.num_bands > 1 or getattr(self.accountant, "max_batch_size", None)):
+            raise RuntimeError(
+                f"this step accumulated {release.num_draws} batches of the private loader: BandMF and truncated "
+                f"sampling release one batch per step. Use VirtualSteps (BatchMemoryManager) to split one batch "
+                f"into micro-batches instead."
+            )
+        loader_step = release.loader_step
+        if loader_step is None and release.num_draws == 0 and contract.has_loader:
+            unused = contract.take_unused_draw()  # a batch the loop skipped backward for (empty)
+            loader_step = None if unused is None else unused.loader_step
+        if self.num_bands <= 1 or loader_step is None:
+            return 1, loader_step
+        next_row = self.noise.step  # BandMF rows taken so far (restored with the noise state on resume)
+        if loader_step < next_row:
+            raise RuntimeError(
+                f"the batch of loader step {loader_step} is released after noise row {next_row - 1} was used: "
+                f"BandMF ties each batch to the noise row of its own step, which must increase. Use batches in the "
+                f"order the loader yields them, each at most once."
+            )
+        return loader_step - next_row + 1, loader_step
+
+    def _has_stray_gradient(self, param: nn.Parameter) -> bool:
+        grad = param.grad
+        if grad is None:
+            return False
+        if self._grad_marks.get(id(param)) == (id(grad), grad._version):
+            return False  # the private gradient this optimizer wrote (not zeroed since)
+        return bool(grad.detach().abs().sum() > 0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -320,14 +509,18 @@ class DPOptimizer(Optimizer):
         for param in self.clipper.params:
             if getattr(param, "grad_sample", None) is not None:
                 param.grad_sample = None
+        for module in self.contract.modules:
+            module._grad_sample_ticket = None
         self.clipper.reset()
+        self.contract.discard()
         self._skip_next_step = False
         self._in_logical_step = False
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus the DP state under ``"privacy_engine.dp_state"``:
-        noise mechanism (generator states: the future noise), clipper accumulator, counters.
+        noise mechanism (outside secure mode its generator states: the future noise), clipper
+        accumulator, counters. Plain data only (loads with ``torch.load(weights_only=True)``).
         Keep it as secret as the training data."""
         state = self.original_optimizer.state_dict()
         state[STATE_DICT_KEY] = {
@@ -340,20 +533,116 @@ class DPOptimizer(Optimizer):
         }
         return state
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ``ValueError`` naming the first mismatch unless ``load_state_dict(state_dict)``
+        restores it onto this optimizer; changes nothing.
+
+        ==============================================  ==================================
+        mismatch                                        error names
+        ==============================================  ==================================
+        not a dict / no DP state                        the missing part
+        number of param groups / parameters per group   the group
+        hyperparameter keys of the groups differ        the keys (another optimizer class)
+        per-parameter state for an unknown index, or    the parameter index and state key
+        a tensor of another shape than the parameter
+        noise state (mechanism, layout, generators)     see NoiseMechanism.check_state_dict
+        clipper mode / bounds / accumulator shapes      the clipper field
+        counters of the wrong type                      the counter
+        ==============================================  ==================================
+        """
+        if not isinstance(state_dict, dict) or STATE_DICT_KEY not in state_dict:
+            raise ValueError(
+                f"the optimizer state has no DP state ({STATE_DICT_KEY!r}): it was not saved from a DPOptimizer"
+            )
+        groups, saved_groups = self.original_optimizer.param_groups, state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+            count = len(saved_groups) if isinstance(saved_groups, list) else saved_groups
+            raise ValueError(f"the optimizer state has {count} param groups, this optimizer has {len(groups)}")
+        params = [p for group in groups for p in group["params"]]
+        for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+                raise ValueError(f"the optimizer state's param group {index} is not a param group")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"the optimizer state's param group {index} has {len(saved['params'])} parameters, this "
+                    f"optimizer's has {len(group['params'])}: make the same parameters private as in the saved run"
+                )
+            if set(saved) != set(group):
+                raise ValueError(
+                    f"the optimizer state's param group {index} has settings {sorted(set(saved) - {'params'})}, "
+                    f"this optimizer's has {sorted(set(group) - {'params'})}: another optimizer class was saved"
+                )
+        saved_ids = [i for saved in saved_groups for i in saved["params"]]
+        position = {saved_id: n for n, saved_id in enumerate(saved_ids)}
+        per_parameter = state_dict.get("state")
+        if not isinstance(per_parameter, dict):
+            raise ValueError("the optimizer state's 'state' is not a dict")
+        for key, values in per_parameter.items():
+            if key not in position:
+                raise ValueError(f"the optimizer state holds state for parameter {key!r}, which no param group lists")
+            param = params[position[key]]
+            for name, value in (values.items() if isinstance(values, dict) else ()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"the optimizer state's {name!r} for parameter {position[key]} has shape {list(value.shape)}, "
+                        f"the parameter has shape {list(param.shape)}: resume with the same model"
+                    )
+        dp_state = state_dict[STATE_DICT_KEY]
+        required = ("noise", "clipper", "noise_multiplier", "steps_taken", "skip_next_step", "in_logical_step")
+        missing = [key for key in required if not isinstance(dp_state, dict) or key not in dp_state]
+        if missing:
+            raise ValueError(f"the optimizer's DP state lacks {missing} (it was altered)")
+        try:
+            _check_noise_multiplier(dp_state["noise_multiplier"])
+        except TypeError as error:
+            raise ValueError(str(error)) from error
+        steps = dp_state["steps_taken"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"the optimizer's DP state has steps_taken={steps!r}; expected an int >= 0")
+        for flag in ("skip_next_step", "in_logical_step"):
+            if not isinstance(dp_state[flag], bool):
+                raise ValueError(f"the optimizer's DP state has {flag}={dp_state[flag]!r}; expected a bool")
+        self.noise.check_state_dict(dp_state["noise"], tensors=self.clipper.params)
+        self._check_clipper_state(dp_state["clipper"])
+
+    def _check_clipper_state(self, saved: Any) -> None:
+        current = self.clipper.state_dict()
+        if not isinstance(saved, dict) or not {"accumulated", "totals", "bounds", "clipping"} <= set(saved):
+            raise ValueError("the clipper state is not a dict from PerSampleGradientClipper.state_dict()")
+        if saved["clipping"] != current["clipping"] or list(saved["bounds"]) != list(current["bounds"]):
+            raise ValueError(
+                f"the clipper state was saved with clipping={saved['clipping']!r}, max_grad_norm bounds "
+                f"{list(saved['bounds'])}; this run has clipping={current['clipping']!r}, bounds "
+                f"{list(current['bounds'])}: make_private with the clipping of the saved run"
+            )
+        accumulated = saved["accumulated"]
+        if not isinstance(accumulated, dict):
+            raise ValueError("the clipper state's accumulator is not a dict")
+        params = self.clipper.params
+        for index, total in accumulated.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params):
+                raise ValueError(f"the clipper state accumulates parameter {index!r}, which this run does not have")
+            if not isinstance(total, torch.Tensor) or tuple(total.shape) != tuple(params[index].shape):
+                raise ValueError(
+                    f"the clipper state's sum for parameter {index} does not have the parameter's shape "
+                    f"{list(params[index].shape)}"
+                )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict()`` so training continues exactly (same noise as the run that
-        saved it). A plain optimizer state dict (no DP state) loads the wrapped optimizer only,
-        with a warning. On error nothing is changed."""
+        saved it; secure mode: fresh OS-seeded generators). A plain optimizer state dict (no DP
+        state) loads the wrapped optimizer only, with a warning. Everything is checked first
+        (``check_state_dict``); on an error nothing is changed."""
         state_dict = dict(state_dict)
-        dp_state = state_dict.pop(STATE_DICT_KEY, None)
-        if dp_state is None:
+        if STATE_DICT_KEY not in state_dict:
             warnings.warn(
                 "state_dict has no DP state (saved from a plain optimizer?): only the wrapped optimizer's "
                 "state is loaded; the noise continues from its current state"
             )
             self.original_optimizer.load_state_dict(state_dict)
             return
-        noise_multiplier = _check_noise_multiplier(dp_state["noise_multiplier"])
+        self.check_state_dict(state_dict)
+        dp_state = state_dict.pop(STATE_DICT_KEY)
         inner_backup = copy.deepcopy(self.original_optimizer.state_dict())
         clipper_backup = self.clipper.state_dict()
         noise_backup = self.noise.state_dict()
@@ -366,10 +655,26 @@ class DPOptimizer(Optimizer):
             self.clipper.load_state_dict(clipper_backup)
             self.noise.load_state_dict(noise_backup)
             raise
-        self.noise_multiplier = noise_multiplier
+        self.noise_multiplier = float(dp_state["noise_multiplier"])
         self.steps_taken = int(dp_state["steps_taken"])
         self._skip_next_step = bool(dp_state["skip_next_step"])
         self._in_logical_step = bool(dp_state["in_logical_step"])
+
+    # ------------------------------------------------------------------ step hooks (Opacus's extension point)
+    def attach_step_hook(self, hook: Callable[[DPOptimizer], None]) -> None:
+        """Call ``hook(optimizer)`` after every released step: once its private gradient is in
+        ``.grad`` (noised, divided by the expected batch size) and recorded, before the wrapped
+        optimizer updates the parameters. Skipped micro-batch steps do not call it. Hooks add up
+        (Opacus keeps one, replaced at each call); the engine's own accounting never depends on
+        them. What a hook reads from ``.grad`` is already private (noised); an exception in it
+        propagates after the step was recorded."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable (it is called with the optimizer); got {hook!r}")
+        self.__dict__.setdefault("_step_hooks", []).append(hook)
+
+    def _run_step_hooks(self) -> None:
+        for hook in self.__dict__.get("_step_hooks", ()):
+            hook(self)
 
 
 def trainable_parameters(optimizer: Optimizer) -> list[nn.Parameter]:

@@ -26,9 +26,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
-__all__ = ["CyclicPoissonBatchSampler", "DPDataLoader", "PoissonBatchSampler"]
+from privacy_engine.secure_random import is_secure_generator, secure_permutation, secure_randint, secure_uniform
+from privacy_engine.step_contract import BatchTicket, TicketQueue, tag_batch
+
+__all__ = ["CyclicPoissonBatchSampler", "DPDataLoader", "PoissonBatchSampler", "loader_index_set"]
 
 
 def _positive_int(value: Any, name: str, hint: str = "") -> int:
@@ -57,12 +69,32 @@ def _validated_generator(generator: Any) -> torch.Generator | None:
     return generator
 
 
+def _validated_indices(indices: Any, num_samples: int) -> torch.Tensor:
+    """The index set to sample from: ``range(num_samples)`` by default, else distinct valid indices."""
+    if indices is None:
+        return torch.arange(num_samples)
+    values = torch.as_tensor(list(indices) if not isinstance(indices, torch.Tensor) else indices).flatten()
+    if values.is_floating_point() or values.dtype == torch.bool:
+        raise ValueError(f"indices must be integers; got dtype {values.dtype}")
+    values = values.to(torch.long)
+    if values.numel() < 1:
+        raise ValueError("indices is empty: there is nothing to sample")
+    if int(values.min()) < 0 or int(values.max()) >= num_samples:
+        raise ValueError(f"indices must lie in [0, {num_samples}) (the dataset's size)")
+    if torch.unique(values).numel() != values.numel():
+        raise ValueError("indices repeats an index; each example must appear once in the index set")
+    return values
+
+
 def _bernoulli_members(members: torch.Tensor, rate: float, generator: torch.Generator | None) -> torch.Tensor:
     # One float64 uniform per member, compared with the rate: inclusion is Bernoulli(rate),
     # independent across members and steps, and never looks at the data.
     if rate >= 1.0:
         return members
-    uniforms = torch.rand(members.numel(), generator=generator, dtype=torch.float64)
+    if is_secure_generator(generator):  # secure mode: 53-bit uniforms straight from the OS
+        uniforms = secure_uniform(members.numel())
+    else:
+        uniforms = torch.rand(members.numel(), generator=generator, dtype=torch.float64)
     return members[uniforms < rate]
 
 
@@ -75,9 +107,9 @@ class _DPBatchSampler(Sampler[list[int]]):
     def __init__(self, steps: int) -> None:
         self.steps = steps
         self._next_step = 0
-        # (step, padding_mask) per drawn batch, filled only while a DPDataLoader is attached
+        # (step, padding_mask, entries) per drawn batch, filled only while a DPDataLoader is attached
         # (otherwise direct iteration would grow it without bound).
-        self._records: collections.deque[tuple[int, torch.Tensor | None]] = collections.deque()
+        self._records: collections.deque[tuple[int, torch.Tensor | None, int]] = collections.deque()
         self._recording = False
 
     def __len__(self) -> int:
@@ -92,16 +124,21 @@ class _DPBatchSampler(Sampler[list[int]]):
             indices, padding_mask = self._draw(step)
             self._next_step = step + 1
             if self._recording:
-                self._records.append((step, padding_mask))
+                self._records.append((step, padding_mask, len(indices)))
             yield indices
+
+    def group_of_step(self, step: int) -> int:
+        """The group that global step ``step`` samples from (0 without cyclic groups)."""
+        return 0
 
 
 class PoissonBatchSampler(_DPBatchSampler):
     """Batches of a Poisson-subsampled dataset.
 
-    Guarantee: in every step, every index in ``range(num_samples)`` is included independently
-    with probability ``sample_rate`` (float64 uniform < q), independently of other steps and of
-    the data. Batch sizes are Binomial(num_samples, q), so batches vary and can be empty.
+    Guarantee: in every step, every index of the index set (``indices``, default
+    ``range(num_samples)``) is included independently with probability ``sample_rate`` (float64
+    uniform < q), independently of other steps and of the data; no other index is ever drawn.
+    Batch sizes are Binomial(len(indices), q), so batches vary and can be empty.
 
     ``len(sampler)`` is ``steps`` (default ``round(1 / sample_rate)``: one epoch in
     expectation); each ``iter`` draws that many batches.
@@ -114,6 +151,7 @@ class PoissonBatchSampler(_DPBatchSampler):
     num_samples < 1             ValueError naming num_samples
     steps < 1                   ValueError naming steps
     generator None              torch's global generator
+    indices out of range/dups   ValueError naming indices
     ==========================  ==================================
     """
 
@@ -127,20 +165,26 @@ class PoissonBatchSampler(_DPBatchSampler):
         *,
         steps: int | None = None,
         generator: torch.Generator | None = None,
+        indices: Any = None,
     ) -> None:
         self.num_samples = _positive_int(num_samples, "num_samples")
         self.sample_rate = _validated_sample_rate(sample_rate)
         self.generator = _validated_generator(generator)
+        self.indices = _validated_indices(indices, self.num_samples)
         default_steps = max(1, round(1.0 / self.sample_rate))
         super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
-        self._all = torch.arange(self.num_samples)
+
+    @property
+    def population(self) -> int:
+        """How many examples can be drawn (the index set's size)."""
+        return int(self.indices.numel())
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.num_samples
+        return self.sample_rate * self.population
 
     def _draw(self, step: int) -> tuple[list[int], None]:
-        return _bernoulli_members(self._all, self.sample_rate, self.generator).tolist(), None
+        return _bernoulli_members(self.indices, self.sample_rate, self.generator).tolist(), None
 
     def __repr__(self) -> str:
         return (
@@ -152,12 +196,16 @@ class PoissonBatchSampler(_DPBatchSampler):
 class CyclicPoissonBatchSampler(_DPBatchSampler):
     """Cyclic Poisson sampling: ``num_groups`` fixed groups, step ``t`` samples group ``t mod b``.
 
-    The examples are split into ``b = num_groups`` groups once, at construction:
+    The examples (of the index set ``indices``, default all) are split into ``b = num_groups``
+    groups once, at construction:
 
+    * ``public_size=False`` (default): every example picks its group uniformly and
+      independently, so adding or removing one example changes no other example's group: the
+      assignment the amplified BandMF analysis assumes under add/remove adjacency.
     * ``public_size=True``: a uniformly random permutation cut into ``b`` contiguous parts of
-      equal size (sizes differ by at most one); fine when the dataset size is public.
-    * ``public_size=False``: every example picks its group uniformly and independently, so
-      adding or removing one example changes no other example's group.
+      equal size (sizes differ by at most one). Adding one example changes how the others are
+      split, so this is only valid under replace-one adjacency (the dataset size is public);
+      the accountants here report add/remove epsilons.
 
     Guarantee: at global step ``t`` only members of group ``t mod b`` can appear, each included
     independently with probability ``sample_rate`` (independent of other steps and of the data).
@@ -193,13 +241,15 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
         sample_rate: float,
         *,
         steps: int | None = None,
-        public_size: bool = True,
+        public_size: bool = False,
         generator: torch.Generator | None = None,
         max_batch_size: int | None = None,
+        indices: Any = None,
     ) -> None:
         self.num_samples = _positive_int(num_samples, "num_samples")
         self.num_groups = _positive_int(num_groups, "num_groups")
-        if self.num_groups > self.num_samples:
+        self.indices = _validated_indices(indices, self.num_samples)
+        if self.num_groups > self.indices.numel():
             raise ValueError(
                 f"num_groups={self.num_groups} exceeds the dataset size {self.num_samples}: every "
                 "group needs examples; use at most as many groups (bands) as examples"
@@ -212,21 +262,28 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
         )
         default_steps = self.num_groups * max(1, round(1.0 / self.sample_rate))
         super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        population = self.indices.numel()
         if self.public_size:
-            permutation = torch.randperm(self.num_samples, generator=self.generator)
+            secure = is_secure_generator(self.generator)
+            order = secure_permutation(population) if secure else torch.randperm(population, generator=self.generator)
+            permutation = self.indices[order]
             self.groups = list(torch.tensor_split(permutation, self.num_groups))
         else:
-            assignment = torch.randint(
-                self.num_groups, (self.num_samples,), generator=self.generator
-            )
-            self.groups = [
-                torch.nonzero(assignment == group).flatten() for group in range(self.num_groups)
-            ]
+            if is_secure_generator(self.generator):
+                assignment = secure_randint(self.num_groups, population)
+            else:
+                assignment = torch.randint(self.num_groups, (population,), generator=self.generator)
+            self.groups = [self.indices[assignment == group] for group in range(self.num_groups)]
+
+    @property
+    def population(self) -> int:
+        """How many examples can be drawn (the index set's size)."""
+        return int(self.indices.numel())
 
     @property
     def expected_batch_size(self) -> float:
         """Expected number of real (non-padding) examples per batch before truncation."""
-        return self.sample_rate * self.num_samples / self.num_groups
+        return self.sample_rate * self.population / self.num_groups
 
     def group_of_step(self, step: int) -> int:
         """The group that global step ``step`` samples from."""
@@ -238,7 +295,10 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
         if self.max_batch_size is None:
             return chosen.tolist(), None
         if chosen.numel() > self.max_batch_size:
-            keep = torch.randperm(chosen.numel(), generator=self.generator)[: self.max_batch_size]
+            if is_secure_generator(self.generator):
+                keep = secure_permutation(chosen.numel())[: self.max_batch_size]
+            else:
+                keep = torch.randperm(chosen.numel(), generator=self.generator)[: self.max_batch_size]
             chosen = chosen[keep]
         padding = self.max_batch_size - chosen.numel()
         filler = int(members[0]) if members.numel() else 0
@@ -253,7 +313,7 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         groups = [torch.as_tensor(g, dtype=torch.long) for g in state["groups"]]
-        if len(groups) != self.num_groups or sum(g.numel() for g in groups) != self.num_samples:
+        if len(groups) != self.num_groups or sum(g.numel() for g in groups) != self.population:
             raise ValueError(
                 "state has another number of groups or examples than this sampler; build the "
                 "sampler with the same num_samples and num_groups"
@@ -349,7 +409,59 @@ def _expected_batch_size(loader: DataLoader) -> int:
     return int(loader.batch_size)
 
 
+def loader_index_set(loader: DataLoader) -> torch.Tensor | None:
+    """The examples ``loader`` draws from, for Poisson sampling to stay within them: None for the
+    whole dataset (a plain, shuffled or sequential loader), the sampler's indices for a
+    ``SubsetRandomSampler`` (a train/validation split).
+
+    ==================================  ================================================
+    loader's sampler                    result
+    ==================================  ================================================
+    SequentialSampler / RandomSampler   None (every example; RandomSampler without
+                                        replacement over the whole dataset only)
+    SubsetRandomSampler                 its indices (N = their number)
+    WeightedRandomSampler               ValueError: weighted sampling has no Poisson
+                                        equivalent the accountant can analyse
+    RandomSampler with replacement or   ValueError (not a uniform pass over the data)
+    another num_samples
+    any other sampler                   TypeError naming it: give a plain loader over
+                                        the training subset (torch.utils.data.Subset)
+    ==================================  ================================================
+    """
+    sampler = loader.sampler
+    if isinstance(sampler, SequentialSampler):
+        return None
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler.num_samples != len(loader.dataset):
+            raise ValueError(
+                "data_loader.sampler is a RandomSampler with replacement or with num_samples != len(dataset): "
+                "private training Poisson-samples each example independently; use shuffle=True or a plain loader"
+            )
+        return None
+    if isinstance(sampler, SubsetRandomSampler):
+        return torch.as_tensor(list(sampler.indices), dtype=torch.long)
+    if isinstance(sampler, WeightedRandomSampler):
+        raise ValueError(
+            "data_loader.sampler is a WeightedRandomSampler: weighted sampling is not the uniform Poisson sampling "
+            "the privacy accounting analyses. Use a plain loader (rebalance with loss weights instead)."
+        )
+    raise TypeError(
+        f"data_loader.sampler is a {type(sampler).__name__}: private training replaces the sampler by Poisson "
+        f"sampling, and only SequentialSampler, RandomSampler and SubsetRandomSampler say which examples to "
+        f"sample from. Build the loader over the training examples (torch.utils.data.Subset) with shuffle=True."
+    )
+
+
 _DATALOADER_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+def _sampling_generator_state(generator: torch.Generator | None) -> tuple[str, torch.Tensor | None]:
+    """(kind, state) of a sampler's generator, for checkpoints; a secure one has no state to save."""
+    if is_secure_generator(generator):
+        return "secure", None
+    if generator is None:
+        return "global", torch.get_rng_state()
+    return "own", generator.get_state()
 
 
 class DPDataLoader(DataLoader):
@@ -368,8 +480,11 @@ class DPDataLoader(DataLoader):
 
     Guarantee: which examples are in a batch is decided by the batch sampler alone
     (independent Bernoulli draws, see the samplers), never by the data; empty batches are
-    yielded as zero-length tensors. Iterate one iterator at a time: ``padding_mask`` and the
-    cyclic step counter follow the yields of the current iterator.
+    yielded as zero-length tensors. Every batch carries a ``BatchTicket`` (its step index, cyclic
+    group and padding mask; ``privacy_engine.step_contract``) on its tensors and in
+    ``loader.tickets``, so the optimizer step that releases it clips it with its own padding mask
+    and ties it to its own step, whatever the iteration order (prefetching, ``list(loader)``,
+    skipped batches). ``padding_mask`` (the last yielded batch's) is kept for inspection only.
     """
 
     def __init__(self, dataset: Dataset, batch_sampler: _DPBatchSampler, **loader_kwargs: Any) -> None:
@@ -393,6 +508,8 @@ class DPDataLoader(DataLoader):
             **loader_kwargs,
         )
         self.padding_mask: torch.Tensor | None = None
+        #: Tickets of the batches yielded and not yet run through the model (see step_contract).
+        self.tickets = TicketQueue()
         self._consumed_steps = batch_sampler._next_step
 
     # ------------------------------------------------------------------ constructors
@@ -436,13 +553,15 @@ class DPDataLoader(DataLoader):
         """
         num_samples = _sized_dataset_length(loader)
         batch_size = _expected_batch_size(loader)
-        if batch_size > num_samples:
+        indices = loader_index_set(loader)
+        population = num_samples if indices is None else int(indices.numel())
+        if batch_size > population:
             raise ValueError(
-                f"loader.batch_size={batch_size} exceeds len(loader.dataset)={num_samples}: the "
-                "sample rate batch_size / len(dataset) must be <= 1"
+                f"loader.batch_size={batch_size} exceeds the {population} examples the loader draws from: the "
+                "sample rate batch_size / len(examples) must be <= 1"
             )
         sampler = PoissonBatchSampler(
-            num_samples, batch_size / num_samples, steps=steps, generator=generator
+            num_samples, batch_size / population, steps=steps, generator=generator, indices=indices
         )
         return cls(loader.dataset, sampler, **cls._loader_kwargs(loader))
 
@@ -453,7 +572,7 @@ class DPDataLoader(DataLoader):
         num_groups: int,
         *,
         max_batch_size: int | None = None,
-        public_size: bool = True,
+        public_size: bool = False,
         generator: torch.Generator | None = None,
         steps: int | None = None,
     ) -> DPDataLoader:
@@ -476,26 +595,28 @@ class DPDataLoader(DataLoader):
         num_samples = _sized_dataset_length(loader)
         batch_size = _expected_batch_size(loader)
         num_groups = _positive_int(num_groups, "num_groups")
-        if num_groups > num_samples:
+        indices = loader_index_set(loader)
+        population = num_samples if indices is None else int(indices.numel())
+        if num_groups > population:
             raise ValueError(
-                f"num_groups={num_groups} exceeds len(loader.dataset)={num_samples}: use at most "
+                f"num_groups={num_groups} exceeds the {population} examples the loader draws from: use at most "
                 "as many groups as examples"
             )
-        if batch_size * num_groups > num_samples:
+        if batch_size * num_groups > population:
             raise ValueError(
-                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds "
-                f"len(loader.dataset)={num_samples}: each group has only ~{num_samples // num_groups} "
-                "examples, so the per-group sample rate would exceed 1; lower batch_size or "
-                "num_groups"
+                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds the {population} examples "
+                f"the loader draws from: each group has only ~{population // num_groups} examples, so the "
+                "per-group sample rate would exceed 1; lower batch_size or num_groups"
             )
         sampler = CyclicPoissonBatchSampler(
             num_samples,
             num_groups,
-            batch_size * num_groups / num_samples,
+            batch_size * num_groups / population,
             steps=steps,
             public_size=public_size,
             generator=generator,
             max_batch_size=max_batch_size,
+            indices=indices,
         )
         return cls(loader.dataset, sampler, **cls._loader_kwargs(loader))
 
@@ -527,27 +648,56 @@ class DPDataLoader(DataLoader):
         self.padding_mask = None
         try:
             for batch in super().__iter__():
-                step, padding_mask = sampler._records.popleft()
+                step, padding_mask, entries = sampler._records.popleft()
                 self.padding_mask = padding_mask
                 self._consumed_steps = step + 1
+                # The ticket travels with the batch (on its tensors, and queued here), so the step
+                # that releases this batch knows its step index, group and padding, whatever order
+                # the loop uses it in.
+                ticket = BatchTicket(loader_step=step, size=entries, group=sampler.group_of_step(step),
+                                     padding_mask=padding_mask)  # fmt: skip
+                self.tickets.issue(ticket)
+                tag_batch(batch, ticket)
                 yield batch
         finally:
             sampler._recording = False
             sampler._records.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """Sampler state as of the last yielded batch (cyclic: groups and next step)."""
+        """Sampler state as of the last yielded batch: ``next_step``, cyclic groups, and the
+        sampling generator: ``generator`` is ``"own"``, ``"global"`` (torch's global generator) or
+        ``"secure"``, ``generator_state`` its ``get_state()`` (None in secure mode: it draws from
+        the OS and has no state). With worker processes prefetching, the generator may already be
+        past the last yielded batch: a resume then samples validly but not the same batches."""
         sampler = self.batch_sampler
         if isinstance(sampler, CyclicPoissonBatchSampler):
             state = sampler.state_dict()
             state["next_step"] = self._consumed_steps
-            return state
-        return {"next_step": self._consumed_steps}
+        else:
+            state = {"next_step": self._consumed_steps}
+        state["generator"], state["generator_state"] = _sampling_generator_state(sampler.generator)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``. A ``"global"`` state sets torch's global generator
+        (``torch.set_rng_state``), as sampling from it continues exactly that way. Raises
+        ``ValueError`` (changing nothing) if the generator kind or state does not fit."""
         sampler = self.batch_sampler
+        kind, _ = _sampling_generator_state(sampler.generator)
+        saved = state.get("generator_state")
+        if state.get("generator") != kind or (kind != "secure") != isinstance(saved, torch.Tensor):
+            raise ValueError(
+                f"the loader state's sampling generator is {state.get('generator')!r}, this loader's is {kind!r}: "
+                "build the loader with the same secure_mode / generator settings as the saved one"
+            )
+        if kind != "secure" and (saved.dtype != torch.uint8 or saved.shape != torch.get_rng_state().shape):
+            raise ValueError("the loader state's generator_state is not a CPU generator state")
         if isinstance(sampler, CyclicPoissonBatchSampler):
             sampler.load_state_dict(state)
+        if kind == "own":
+            sampler.generator.set_state(saved)
+        elif kind == "global":
+            torch.set_rng_state(saved)
         self._consumed_steps = int(state["next_step"])
         sampler._next_step = self._consumed_steps
 

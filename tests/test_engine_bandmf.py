@@ -108,8 +108,10 @@ def test_truncated_epsilon_is_dp_accountings_truncated_event_over_the_largest_gr
     steps = engine.accountant.steps
     assert steps == len(loader) == round(42 / 5)  # one epoch of the private loader
     largest_group = max(len(group) for group in loader.batch_sampler.groups)
-    assert largest_group == 11 and engine.noise_plan.group_size == 11  # 42 examples in 4 groups: 11, 11, 10, 10
-    event = amplified_event(1.0, loader.sample_rate, steps, 4, group_size=11, max_batch_size=6)
+    # Groups are assigned independently per example (add/remove adjacency), so sizes vary around 42 / 4.
+    assert sum(len(group) for group in loader.batch_sampler.groups) == 42
+    assert engine.noise_plan.group_size == largest_group >= 11
+    event = amplified_event(1.0, loader.sample_rate, steps, 4, group_size=largest_group, max_batch_size=6)
     assert engine.get_epsilon(DELTA) == pytest.approx(dp_accounting_epsilon("pld", event), rel=1e-9)
 
 
@@ -122,7 +124,7 @@ def test_make_private_with_epsilon_calibrates_bandmf_within_the_target(max_batch
         max_grad_norm=1.0, noise_mechanism="bandmf", num_bands=2, max_batch_size=max_batch_size,
     )  # fmt: skip
     sigma, steps = private_optimizer.noise_multiplier, 3 * len(loader)
-    group_size = None if max_batch_size is None else NUM_EXAMPLES // 2
+    group_size = None if max_batch_size is None else max(len(g) for g in private_loader.batch_sampler.groups)
     event = amplified_event(sigma, private_loader.sample_rate, steps, 2, group_size=group_size,
                             max_batch_size=max_batch_size)  # fmt: skip
     epsilon = dp_accounting_epsilon("pld", event)

@@ -1,0 +1,165 @@
+"""``opacus.accountants`` on dp-accounting: the engine's accountants with Opacus's interface.
+
+``RDPAccountant`` is dp-accounting's RDP accountant; ``PRVAccountant`` (Opacus's default, a numerical
+privacy-loss accountant) is dp-accounting's PLD accountant, which computes the same quantity
+(epsilon of the composed sampled Gaussian mechanism) by another discretisation; the two agree to
+well within 1% on DP-SGD. ``GaussianAccountant`` (Opacus's CLT approximation, not an upper bound)
+is not provided.
+
+Interface added to the engine's accountants: ``step(noise_multiplier=, sample_rate=)`` (the engine's
+own), ``len(accountant)`` (steps), ``mechanism()``, ``get_optimizer_hook_fn(sample_rate)``,
+``get_privacy_spent`` (RDP), Opacus's extra ``get_epsilon`` arguments, and Opacus-format state
+dicts (``{"history": [(noise_multiplier, sample_rate, steps), ...], "mechanism": ...}``) loaded by
+``load_state_dict`` and written by ``opacus_state_dict()``. ``accountant.history`` stays the
+engine's (``HistoryEntry`` records).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from accountants import Accountant
+from accountants import PLDAccountant as _PLDAccountant
+from accountants import RDPAccountant as _RDPAccountant
+from accountants.base import STATE_DICT_FORMAT
+from privacy_engine.opacus._lazy import unavailable
+
+__all__ = [
+    "GaussianAccountant",
+    "IAccountant",
+    "PRVAccountant",
+    "RDPAccountant",
+    "create_accountant",
+    "register_accountant",
+]
+
+#: The accountant interface (the engine's abstract accountant).
+IAccountant = Accountant
+
+
+class _OpacusInterface:
+    """Opacus's accountant methods on an engine accountant (mixin)."""
+
+    opacus_mechanism: str
+
+    @classmethod
+    def mechanism(cls) -> str:
+        return cls.opacus_mechanism
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
+        """A step hook for ``DPOptimizer.attach_step_hook``: records each released step with this
+        accountant (``sample_rate``, the optimizer's ``noise_multiplier``, and the number of loader
+        batches the step accumulated). An optimizer that already records its steps here (one from
+        ``make_private`` of an engine holding this accountant) records nothing more through the
+        hook, so no step is counted twice."""
+        warned = []
+
+        def hook(optimizer: Any) -> None:
+            ledger = getattr(optimizer, "accountant", None)
+            if ledger is self or getattr(ledger, "accountant", None) is self:
+                if not warned:
+                    warned.append(True)
+                    warnings.warn("this optimizer already records its steps with this accountant; the hook adds nothing")
+                return
+            batches = int(getattr(optimizer, "accumulated_iterations", 1))
+            extra = {"batches_per_step": batches} if batches > 1 else {}
+            self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate, **extra)
+
+        return hook
+
+    def opacus_state_dict(self) -> dict[str, Any]:
+        """The history in Opacus's format (DP-SGD steps only: BandMF, truncated or accumulated steps
+        have no Opacus equivalent and raise ``ValueError``)."""
+        history = []
+        for entry in self.history:
+            if entry.num_bands != 1 or entry.max_batch_size is not None or getattr(entry, "batches_per_step", 1) != 1:
+                raise ValueError(f"{entry} has no Opacus equivalent (Opacus records plain DP-SGD steps only)")
+            history.append((entry.noise_multiplier, entry.sample_rate, entry.num_steps))
+        return {"history": history, "mechanism": self.mechanism()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the engine's state dict, or Opacus's (``{"history": [(sigma, q, steps), ...],
+        "mechanism": ...}``, from any Opacus accountant: the steps are the same whatever the analysis)."""
+        if isinstance(state_dict, dict) and "format" not in state_dict and "mechanism" in state_dict:
+            history = state_dict.get("history")
+            if not isinstance(history, (list, tuple)):
+                raise ValueError("an Opacus accountant state dict needs 'history': a list of (noise_multiplier, "
+                                 "sample_rate, steps)")  # fmt: skip
+            entries = []
+            for item in history:
+                if not isinstance(item, (list, tuple)) or len(item) != 3:
+                    raise ValueError(f"Opacus history entries are (noise_multiplier, sample_rate, steps); got {item!r}")
+                entries.append({"noise_multiplier": float(item[0]), "sample_rate": float(item[1]),
+                                "num_steps": int(item[2])})  # fmt: skip
+            state_dict = {"format": STATE_DICT_FORMAT, "accountant": self.name, "settings": self.settings(),
+                          "history": entries}  # fmt: skip
+        super().load_state_dict(state_dict)
+
+
+class RDPAccountant(_OpacusInterface, _RDPAccountant):
+    """dp-accounting's RDP accountant with Opacus's interface (``alphas`` are the RDP orders)."""
+
+    opacus_mechanism = "rdp"
+
+    def get_epsilon(self, delta: float, alphas: Sequence[float] | None = None, **_ignored: Any) -> float:
+        if alphas is None:
+            return super().get_epsilon(delta)
+        return self._at_orders(alphas).get_epsilon(delta)
+
+    def get_privacy_spent(self, *, delta: float, alphas: Sequence[float] | None = None) -> tuple[float, float]:
+        """``(epsilon, best RDP order)`` at ``delta`` (dp-accounting's conversion)."""
+        accountant = self if alphas is None else self._at_orders(alphas)
+        epsilon = accountant.get_epsilon(delta)
+        if not self.history or epsilon in (0.0, float("inf")):
+            return epsilon, float("nan")
+        _, order = accountant._new_dp_accountant().compose(accountant.event()).get_epsilon_and_optimal_order(delta)
+        return epsilon, float(order)
+
+    def _at_orders(self, alphas: Sequence[float]) -> RDPAccountant:
+        other = RDPAccountant(orders=list(alphas))
+        state = self.state_dict()
+        state["settings"] = other.settings()
+        other.load_state_dict(state)
+        return other
+
+
+class PRVAccountant(_OpacusInterface, _PLDAccountant):
+    """Opacus's default accountant name, on dp-accounting's PLD accountant. Opacus's ``eps_error``
+    and ``delta_error`` are accepted and not used: the PLD grid (``value_discretization_interval``)
+    sets the accuracy (about 0.01% of epsilon at the default)."""
+
+    opacus_mechanism = "prv"
+
+    def get_epsilon(self, delta: float, *, eps_error: float | None = None, delta_error: float | None = None) -> float:
+        return super().get_epsilon(delta)
+
+
+GaussianAccountant = unavailable(
+    "GaussianAccountant",
+    "Opacus's GaussianAccountant ('gdp', a central-limit approximation that can under-report epsilon) is not "
+    "provided: use PRVAccountant (accountant='prv', the default) or RDPAccountant (accountant='rdp')",
+)
+
+_ACCOUNTANTS: dict[str, type] = {"rdp": RDPAccountant, "prv": PRVAccountant, "pld": PRVAccountant}
+
+
+def create_accountant(mechanism: str) -> Accountant:
+    """A new accountant by Opacus's name: ``"prv"`` (PLD here), ``"rdp"``; ``"gdp"`` is refused."""
+    if mechanism == "gdp":
+        GaussianAccountant()  # raises with the explanation
+    if mechanism not in _ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {sorted(_ACCOUNTANTS)} ('gdp' is not provided); got {mechanism!r}")
+    return _ACCOUNTANTS[mechanism]()
+
+
+def register_accountant(mechanism: str, accountant: type) -> None:
+    """Make ``create_accountant(mechanism)`` (and ``PrivacyEngine(accountant=mechanism)``) build
+    ``accountant``, a subclass of the engine's ``accountants.Accountant``."""
+    if not (isinstance(accountant, type) and issubclass(accountant, Accountant)):
+        raise TypeError(f"accountant must be a subclass of accountants.Accountant; got {accountant!r}")
+    _ACCOUNTANTS[mechanism] = accountant

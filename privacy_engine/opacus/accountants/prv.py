@@ -1,0 +1,5 @@
+"""``opacus.accountants.prv``."""
+
+from privacy_engine.opacus.accountants import PRVAccountant
+
+__all__ = ["PRVAccountant"]

@@ -1,0 +1,180 @@
+"""``opacus.optimizers.optimizer``: ``DPOptimizer`` with Opacus's constructor and extension points.
+
+Opacus's optimizer is extended by subclassing: a subclass overrides ``add_noise()`` to read each
+parameter's clipped sum ``p.summed_grad`` and write ``p.grad``, using ``_check_processed_flag`` /
+``_mark_as_processed`` to catch a sum used twice. Here clipping and noise run in the engine's
+``DPOptimizer.pre_step``; a subclass's ``add_noise`` is called at the moment the engine would add its
+noise, with ``p.summed_grad`` holding the clipped sum, and what it writes to ``p.grad`` is the
+released gradient (divided by the expected batch size afterwards, as Opacus does in ``scale_grad``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
+
+__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "_check_processed_flag", "_mark_as_processed"]
+
+_PROCESSED = "_processed"
+
+
+def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
+    """Mark a tensor (or each of a list) as used by an optimizer step: a second use raises in
+    ``_check_processed_flag`` until ``zero_grad()`` drops it."""
+    for tensor in [obj] if isinstance(obj, torch.Tensor) else list(obj):
+        setattr(tensor, _PROCESSED, True)
+
+
+def _check_processed_flag(obj: torch.Tensor | list[torch.Tensor]) -> None:
+    """Raise ``ValueError`` if the tensor (or any of a list) was already used by a step
+    (``_mark_as_processed``): a clipped sum released twice would be released without fresh noise."""
+    for tensor in [obj] if isinstance(obj, torch.Tensor) else list(obj):
+        if hasattr(tensor, _PROCESSED):
+            raise ValueError(
+                "this gradient was already used by an optimizer step: call optimizer.zero_grad() after every "
+                "step, so that no clipped sum is released twice"
+            )
+
+
+def _seed_from(generator: torch.Generator | None) -> int | None:
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    # Opacus draws its noise from this generator; one draw from it seeds ours.
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
+class _SubclassNoise(NoiseMechanism):
+    """The noise of a ``DPOptimizer`` subclass that overrides ``add_noise()`` (Opacus's extension
+    point): at the engine's noise step, each parameter's clipped sum is handed over as
+    ``p.summed_grad`` and the subclass's ``add_noise()`` writes ``p.grad``, which becomes the released
+    gradient (copied into the tensor the engine then scales)."""
+
+    num_bands = 1
+
+    def __init__(self, *, secure_mode: bool) -> None:
+        super().__init__(secure_mode=secure_mode)
+        self.optimizer: DPOptimizer | None = None
+
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        return noise_multiplier * max_grad_norm  # the Gaussian std the accountant assumes
+
+    def add_noise_(self, tensors, noise_multiplier: float, max_grad_norm: float) -> None:
+        optimizer = self.optimizer
+        tensors = list(tensors)
+        params = optimizer.params
+        for param, clipped_sum in zip(params, tensors):
+            param.summed_grad = clipped_sum.detach().clone()
+        optimizer.add_noise()
+        for param, released in zip(params, tensors):
+            if param.grad is not released:
+                released.copy_(param.grad)
+                param.grad = released
+        self._step += 1
+
+
+class DPOptimizer(_DPOptimizer):
+    """The engine's ``DPOptimizer`` (see ``privacy_engine.optimizer``) with Opacus's constructor
+    (``generator=`` seeds the noise; Opacus's other keywords go to the engine's), Opacus's
+    extension points (an ``add_noise()`` override, ``attach_step_hook``) and attributes
+    (``accumulated_iterations``, ``grad_samples``, ``p.summed_grad`` inside ``add_noise``).
+
+    Guarantee: as the engine's ``DPOptimizer`` when ``add_noise`` is not overridden. With an
+    override, the released gradient is whatever the override writes: the accountant still records
+    the Gaussian mechanism of ``noise_multiplier`` (as Opacus does), so the reported epsilon holds
+    only if the override adds at least that noise (a warning says so at construction).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: float | None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        custom_noise = type(self).add_noise is not DPOptimizer.add_noise
+        seed = _seed_from(generator)
+        if secure_mode and seed is not None:
+            raise ValueError("generator must be None with secure_mode=True (secure noise is seeded from the OS only)")
+        if custom_noise:
+            warnings.warn(
+                f"{type(self).__name__} overrides add_noise(): the accountant records the Gaussian mechanism with "
+                f"noise_multiplier={noise_multiplier}; the reported epsilon holds only if your noise is at least that "
+                f"private",
+                stacklevel=2,
+            )
+            kwargs["noise"] = _SubclassNoise(secure_mode=secure_mode)
+        elif "noise" not in kwargs:
+            kwargs["noise"] = GaussianNoise(seed=seed, secure_mode=secure_mode)
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            secure_mode=secure_mode,
+            **kwargs,
+        )
+        if custom_noise:
+            self.noise.optimizer = self
+            self._gaussian = GaussianNoise(seed=seed, secure_mode=secure_mode)
+
+    # ------------------------------------------------------------------ Opacus's extension points
+    def add_noise(self) -> None:
+        """Opacus's noise step: ``p.grad = p.summed_grad + N(0, (noise_multiplier * max_grad_norm)^2)``
+        for every parameter, each sum used once. The engine calls it only for subclasses that
+        override it (and a subclass may call this one); otherwise its own noise step runs."""
+        params = self.params
+        for param in params:
+            _check_processed_flag(param.summed_grad)
+        noised = [param.summed_grad.clone() for param in params]
+        gaussian = self.__dict__.get("_gaussian", self.noise)
+        gaussian.add_noise_(noised, self.noise_multiplier, self.clipper.sensitivity)
+        for param, grad in zip(params, noised):
+            param.grad = grad.view_as(param)
+            _mark_as_processed(param.summed_grad)
+
+    def _accounting_kwargs(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # What the engine records for the step being released, kept for accumulated_iterations (step hooks
+        # run after the release, when the step's contributions are already consumed).
+        recorded = super()._accounting_kwargs(*args, **kwargs)
+        self._last_recorded = recorded
+        return recorded
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Loader batches accumulated into the last released step (read by Opacus's accountant hook):
+        the ``batches_per_step`` the engine recorded for it, 1 for a plain step."""
+        return int(self.__dict__.get("_last_recorded", {}).get("batches_per_step", 1))
+
+    @property
+    def grad_samples(self) -> list[torch.Tensor | None]:
+        """Each parameter's ``grad_sample`` (None where there is none)."""
+        return [getattr(param, "grad_sample", None) for param in self.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for param in self.params:
+            if getattr(param, "summed_grad", None) is not None:
+                param.summed_grad = None
+
+
+class DPPerLayerOptimizer(DPOptimizer):
+    """Opacus's per-layer clipping optimizer: ``DPOptimizer`` with ``clipping="per_layer"`` (one
+    bound per parameter, or one number split over the layers, as the engine's clipper does)."""
+
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm, **kwargs: Any) -> None:
+        kwargs.setdefault("clipping", "per_layer")
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)

@@ -1,0 +1,247 @@
+"""``opacus.privacy_engine``: Opacus's ``PrivacyEngine`` on this engine.
+
+It is the engine's ``PrivacyEngine`` (the same planning, sampling, clipping, noise and accounting)
+with Opacus's conventions where a script can see them:
+
+- the constructor (keyword-only ``accountant="prv"``, ``secure_mode``) and accountants with
+  Opacus's interface (``privacy_engine.opacus.accountants``: ``prv`` is the PLD accountant);
+- ``make_private`` / ``make_private_with_epsilon`` with Opacus's keywords (``wrap_model``,
+  ``rand_on_empty``); the returned model saves with Opacus's state-dict keys (``_module.`` prefix)
+  and the optimizer is ``privacy_engine.opacus.optimizers.DPOptimizer``;
+- ``load_checkpoint`` also reads files written by Opacus's ``save_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from accountants import Accountant
+from privacy_engine import checkpoint
+from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
+from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
+from privacy_engine.opacus.accountants import create_accountant
+from privacy_engine.opacus.grad_sample import wrap_opacus_keys
+from privacy_engine.opacus.optimizers import DPOptimizer
+
+__all__ = ["PrivacyEngine", "forbid_accumulation_hook"]
+
+_OPACUS_ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+
+
+def forbid_accumulation_hook(module: nn.Module, _inputs: Any) -> None:
+    """Forward pre-hook (``module.register_forward_pre_hook``) that refuses a training forward while
+    per-sample gradients of an earlier backward pass are still held (no ``zero_grad()`` since), the
+    check of Opacus's tutorials. Raises ``ValueError`` before the forward runs. Not needed with
+    ``make_private``, whose step contract clips each backward pass on its own."""
+    if not module.training:
+        return
+    for name, param in module.named_parameters():
+        if getattr(param, "grad_sample", None) is not None:
+            raise ValueError(
+                f"parameter {name!r} still holds per-sample gradients of an earlier backward pass: call "
+                f"optimizer.zero_grad() (or model.zero_grad()) after each step before the next forward"
+            )
+
+
+def _is_engine_checkpoint(path: Any) -> bool:
+    """Whether ``path`` holds a checkpoint in the engine's format (its magic bytes); else Opacus's."""
+    if isinstance(path, (str, os.PathLike)):
+        with open(path, "rb") as file:
+            return file.read(len(checkpoint.MAGIC)) == checkpoint.MAGIC
+    start = path.tell()
+    magic = path.read(len(checkpoint.MAGIC))
+    path.seek(start)
+    return magic == checkpoint.MAGIC
+
+
+class PrivacyEngine(_PrivacyEngine):
+    """The engine's ``PrivacyEngine`` with Opacus's interface (see the module docstring).
+
+    Args:
+        accountant: ``"prv"`` (Opacus's default; the PLD accountant here), ``"rdp"``, or an accountant
+            instance; ``"gdp"`` raises (not provided).
+        secure_mode: OS-seeded noise and sampling; seeds and ``noise_generator`` are refused. Unlike
+            Opacus, no ``torchcsprng`` is needed (see ``privacy_engine.noise`` for what it promises).
+    """
+
+    def __init__(self, *, accountant: str | Accountant = "prv", secure_mode: bool = False) -> None:
+        if isinstance(accountant, str):
+            accountant = create_accountant(accountant.strip().lower())
+        super().__init__(accountant=accountant, secure_mode=secure_mode)
+
+    # ------------------------------------------------------------------ making things private
+    @staticmethod
+    def _opacus_options(wrap_model: bool, rand_on_empty: bool) -> None:
+        if not wrap_model:
+            raise NotImplementedError(
+                "wrap_model=False (hooks on the unwrapped model) is not supported: use the returned wrapper as the "
+                "model (it forwards attribute access to yours, and to_standard_module() gives yours back)"
+            )
+        if rand_on_empty:
+            raise ValueError(
+                "rand_on_empty=True is not supported: an empty Poisson batch comes out as zero-length tensors, "
+                "which every layer here handles; random data in its place was never sampled"
+            )
+
+    @staticmethod
+    def _as_opacus(made: tuple) -> tuple:
+        module, optimizer, *rest = made
+        wrap_opacus_keys(module)
+        if type(optimizer) is _DPOptimizer:
+            # The subclass adds methods only (Opacus's attributes and extension points).
+            optimizer.__class__ = DPOptimizer
+        return (module, optimizer, *rest)
+
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        criterion: Any = None,
+        wrap_model: bool = True,
+        rand_on_empty: bool = False,
+        **kwargs: Any,
+    ) -> tuple:
+        """The engine's ``make_private`` (its guarantee and edge cases) with Opacus's keywords.
+
+        Returns ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
+        data_loader)`` with ``grad_sample_mode="ghost"`` (the criterion is returned as given:
+        clipping happens inside the ordinary backward pass). ``grad_sample_mode`` may be Opacus's
+        ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias of ``"hooks"``), ``"ghost"`` or
+        ``"no_op"`` (the loop sets ``p.grad_sample`` itself). A ``DPDataLoader`` from an earlier
+        call is accepted (re-planned from the loader it stands for).
+
+        ==============================  ==========================================
+        case                            result
+        ==============================  ==========================================
+        wrap_model=False                NotImplementedError (before anything changes)
+        rand_on_empty=True              ValueError (before anything changes)
+        clipping="adaptive"             ValueError (not supported)
+        any other argument              as the engine's ``make_private``
+        ==============================  ==========================================
+        """
+        self._opacus_options(wrap_model, rand_on_empty)
+        return self._as_opacus(super().make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, criterion=criterion, **kwargs,
+        ))  # fmt: skip
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: float | list[float],
+        criterion: Any = None,
+        wrap_model: bool = True,
+        rand_on_empty: bool = False,
+        **kwargs: Any,
+    ) -> tuple:
+        """The engine's ``make_private_with_epsilon`` (calibrated on this engine's accountant over the
+        steps the private loader runs) with Opacus's keywords; see ``make_private``. Like Opacus, it
+        warns when the accountant already holds steps (the calibration assumes it starts empty)."""
+        self._opacus_options(wrap_model, rand_on_empty)
+        if self.accountant.steps > 0:
+            warnings.warn(
+                "make_private_with_epsilon with privacy budget already spent: the noise multiplier is calibrated as if "
+                "this run were the only one, so the total epsilon will exceed target_epsilon",
+                stacklevel=2,
+            )
+        return self._as_opacus(super().make_private_with_epsilon(
+            module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
+            target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm, criterion=criterion, **kwargs,
+        ))  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_checkpoint(
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optimizer | None = None,
+        data_loader: DataLoader | None = None,
+        noise_scheduler: Any = None,
+        grad_clip_scheduler: Any = None,
+        module_load_dict_kwargs: dict[str, Any] | None = None,
+        torch_load_kwargs: dict[str, Any] | None = None,
+    ) -> dict:
+        """Restore a checkpoint written by ``save_checkpoint`` here (the engine's format: all of its
+        guarantees) or by Opacus's ``save_checkpoint`` (a plain ``torch.save`` file).
+
+        An Opacus file is unpickled with ``weights_only=True`` (it runs nothing) and restores the
+        model (Opacus's ``_module.`` keys or plain keys), the accountant's history (Opacus's
+        ``(noise_multiplier, sample_rate, steps)`` entries; any Opacus accountant, the steps are the
+        same), the wrapped optimizer's state (the noise continues from this run's generators, with a
+        warning) and the scheduler states given. Everything is checked before anything changes; if
+        restoring the optimizer or a scheduler fails, the model and accountant are put back.
+
+        ==========================================  ===========================================
+        case (Opacus file)                          result
+        ==========================================  ===========================================
+        not a dict with "module_state_dict"         CheckpointError naming the file
+        module keys do not match                    the model's load_state_dict error, nothing
+                                                    changed
+        data_loader given                           CheckpointError (Opacus saves no sampling
+                                                    state)
+        ==========================================  ===========================================
+        """
+        if _is_engine_checkpoint(path):
+            return super().load_checkpoint(
+                path=path, module=module, optimizer=optimizer, data_loader=data_loader,
+                noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+                module_load_dict_kwargs=module_load_dict_kwargs, torch_load_kwargs=torch_load_kwargs,
+            )  # fmt: skip
+        name = checkpoint._name(path)
+        load_kwargs = dict(torch_load_kwargs or {})
+        load_kwargs.pop("weights_only", None)
+        try:
+            payload = torch.load(path, weights_only=True, **{"map_location": "cpu", **load_kwargs})
+        except Exception as error:  # noqa: BLE001  (any unpickling failure: say which file and why)
+            raise checkpoint.CheckpointError(
+                f"checkpoint {name} is neither a privacy_engine checkpoint nor a plain Opacus checkpoint readable "
+                f"with torch.load(weights_only=True): {error}"
+            ) from error
+        if not isinstance(payload, dict) or "module_state_dict" not in payload:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {name} is not an Opacus checkpoint (a dict with 'module_state_dict'); save it with "
+                f"PrivacyEngine.save_checkpoint"
+            )
+        if data_loader is not None:
+            raise checkpoint.CheckpointError(f"checkpoint {name} was written by Opacus and holds no data loader state")
+        # Validate the accountant's part on a copy first: nothing may change if it is malformed.
+        accountant_state = payload.get(_OPACUS_ACCOUNTANT_KEY)
+        if accountant_state is not None:
+            copy.deepcopy(self.accountant).load_state_dict(accountant_state)
+        module_backup = copy.deepcopy(module.state_dict())
+        accountant_backup = self.accountant.state_dict()
+        try:
+            module.load_state_dict(payload["module_state_dict"], **(module_load_dict_kwargs or {}))
+            if accountant_state is not None:
+                self.accountant.load_state_dict(accountant_state)
+            optimizer_state = payload.get("optimizer_state_dict") or {}
+            if optimizer is not None and optimizer_state:
+                optimizer.load_state_dict(optimizer_state)
+            for scheduler, key in ((noise_scheduler, "noise_scheduler_state_dict"),
+                                   (grad_clip_scheduler, "grad_clip_scheduler_state_dict")):  # fmt: skip
+                if scheduler is not None and payload.get(key):
+                    scheduler.load_state_dict(payload[key])
+        except BaseException:
+            module.load_state_dict(module_backup)
+            self.accountant.load_state_dict(accountant_backup)
+            raise
+        return payload

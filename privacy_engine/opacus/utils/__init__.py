@@ -1,0 +1,1 @@
+"""``opacus.utils``: the loader, sampler and per-sample-gradient helpers Opacus scripts import."""

@@ -1,0 +1,15 @@
+"""``opacus.validators.module_validator``: ``ModuleValidator``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from privacy_engine.opacus.validators import fixer_attribute
+
+__all__ = ["ModuleValidator"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return fixer_attribute(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,15 @@
+"""``opacus.validators.utils``: the registration decorators."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from privacy_engine.opacus.validators import fixer_attribute
+
+__all__ = ["register_module_fixer", "register_module_validator"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return fixer_attribute(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,336 @@
+"""One rank of the 2-process job that tests/test_distributed.py spawns (gloo on 127.0.0.1).
+
+    python tests/distributed_worker.py RANK WORLD_SIZE PORT OUT_DIR
+
+Runs every scenario in order (they share one process group, so the expensive start-up happens
+once) and writes what each rank saw to OUT_DIR/rank{RANK}.pt (plain types only: the test loads
+it with weights_only=True). The test, not this file, holds the expectations and references.
+The last scenarios break the process group on purpose (a stalled rank, then a rank that raises).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accountants import make_accountant  # noqa: E402
+from privacy_engine import PrivacyEngine  # noqa: E402
+from privacy_engine.distributed import (  # noqa: E402
+    DifferentiallyPrivateDistributedDataParallel,
+    DistributedSettingsError,
+    DistributedStepError,
+    distributed_state,
+    load_distributed_state,
+)
+
+PLD_GRID = 1e-3
+torch.set_default_dtype(torch.float64)
+
+
+class IndexedData(Dataset):
+    """(features, label, index): the index says which examples a rank's batch held."""
+
+    def __init__(self, num_examples: int, num_features: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(num_examples, num_features, generator=generator)
+        self.labels = torch.randint(0, 3, (num_examples,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.features[index], self.labels[index], index
+
+
+def mlp(num_features: int = 5) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(num_features, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def engine_pld() -> PrivacyEngine:
+    return PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=PLD_GRID))
+
+
+def train(model, optimizer, loader, steps: int, *, criterion=None, zero_loss: bool = False) -> dict:
+    """``steps`` ordinary training steps on the private loader; what each step used."""
+    record = {"indices": [], "params": [], "padding": []}
+    criterion = criterion or nn.CrossEntropyLoss()
+    for step, (features, labels, indices) in enumerate(loader):
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        output = model(features)
+        loss = (output * 0.0).sum() if zero_loss else criterion(output, labels)
+        loss.backward()
+        optimizer.step()
+        record["indices"].append(indices.tolist())
+        mask = loader.padding_mask
+        record["padding"].append(None if mask is None else mask.tolist())
+        record["params"].append(flat(model))
+    return record
+
+
+# ------------------------------------------------------------------------------ scenarios
+def equivalence(rank: int, mode: str) -> dict:
+    """No noise: what every rank ends with after 4 steps (the test replays the union batches)."""
+    model = mlp()
+    initial = flat(model)
+    data = IndexedData(40, 5)
+    loader = DataLoader(data, batch_size=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    made = engine_pld().make_private(
+        module=DistributedDataParallel(model), optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=0.3, grad_sample_mode=mode, noise_seed=11,
+    )
+    wrapped, dp_optimizer, private_loader = made[0], made[1], made[-1]
+    record = train(wrapped, dp_optimizer, private_loader, 6)
+    record.update(initial=initial, expected_batch_size=dp_optimizer.expected_batch_size,
+                  wrapped=type(wrapped).__name__)
+    return record
+
+
+def noisy(rank: int) -> dict:
+    """sigma > 0, zero gradients: the parameter changes are the noise alone (std and equality)."""
+    torch.manual_seed(2)
+    model = nn.Linear(50, 40)
+    initial = flat(model)
+    data = IndexedData(64, 50)
+    loader = DataLoader(data, batch_size=16)
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=loader, noise_multiplier=2.0, max_grad_norm=1.5, noise_seed=5,
+    )
+    record = train(wrapped, optimizer, private_loader, 5, zero_loss=True)
+    record.update(initial=initial, epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps,
+                  sample_rate=optimizer.sample_rate, communication_seconds=optimizer.distributed_job.communication_seconds)
+    return record
+
+
+def sampling(rank: int) -> dict:
+    """The engine's private loader: which examples each rank draws, over many steps."""
+    data = IndexedData(30, 2)
+    loader = DataLoader(data, batch_size=6, shuffle=True)
+    model = nn.Linear(2, 3)
+    _, _, private_loader = PrivacyEngine().make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    draws = []
+    while len(draws) < 300:
+        draws.extend(indices.tolist() for _, _, indices in private_loader)
+    return {"indices": draws[:300], "sample_rate": private_loader.sample_rate,
+            "shard": private_loader.batch_sampler.shard.tolist()}
+
+
+def bandmf(rank: int) -> dict:
+    """BandMF, 2 bands, zero gradients: the noise rows and the cyclic groups of each rank."""
+    torch.manual_seed(3)
+    model = nn.Linear(6, 4)
+    initial = flat(model)
+    data = IndexedData(48, 6)
+    loader = DataLoader(data, batch_size=8)
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism="bandmf", num_bands=2,
+        total_steps=6, noise_seed=9,
+    )
+    record = train(wrapped, optimizer, private_loader, 6, zero_loss=True)
+    sampler = private_loader.batch_sampler
+    record.update(
+        initial=initial, epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps,
+        sample_rate=optimizer.sample_rate, coefficients=list(optimizer.noise.coefficients),
+        groups=[g.tolist() for g in sampler.groups], local_groups=[g.tolist() for g in sampler.local_groups],
+    )
+    return record
+
+
+def truncated(rank: int) -> dict:
+    """Truncated sampling: global cap 6, so 3 entries per rank and step."""
+    model = mlp(3)
+    data = IndexedData(40, 3)
+    loader = DataLoader(data, batch_size=5)
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, max_batch_size=6,
+    )
+    record = train(wrapped, optimizer, private_loader, 8)
+    entry = engine.accountant.history[-1]
+    record.update(epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps, sample_rate=optimizer.sample_rate,
+                  group_size=entry.group_size, max_batch_size=entry.max_batch_size,
+                  group=private_loader.batch_sampler.groups[0].tolist())
+    return record
+
+
+def mismatch(rank: int) -> dict:
+    """Rank 1 asks for another noise multiplier."""
+    model = mlp()
+    try:
+        PrivacyEngine().make_private(
+            module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(IndexedData(20, 5), batch_size=4), noise_multiplier=1.0 + 0.1 * rank,
+            max_grad_norm=1.0,
+        )
+    except DistributedSettingsError as error:
+        return {"error": str(error), "hooked": any(len(m._forward_hooks) > 0 for m in model.modules())}
+    return {"error": None}
+
+
+def checkpoint(rank: int, out: Path) -> dict:
+    """Save from rank 0 after 2 steps, run 3 more, resume everyone from the file, run the 3 again."""
+    model = mlp()
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+        data_loader=DataLoader(IndexedData(40, 5), batch_size=8), noise_multiplier=0.7, max_grad_norm=1.0,
+    )
+    train(wrapped, optimizer, private_loader, 2)
+    sampling_state = distributed_state(private_loader)  # collective
+    path = out / "checkpoint.pt"
+    if rank == 0:
+        torch.save({"model": wrapped.state_dict(), "optimizer": optimizer.state_dict(), "sampling": sampling_state,
+                    "engine": engine.state_dict()}, path)  # fmt: skip
+    dist.barrier()
+    first = train(wrapped, optimizer, private_loader, 3)
+    saved = torch.load(path, weights_only=True)
+    wrapped.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    load_distributed_state(private_loader, saved["sampling"])
+    engine.load_state_dict(saved["engine"])
+    again = train(wrapped, optimizer, private_loader, 3)
+    return {"first": first, "again": again, "steps": engine.accountant.steps}
+
+
+def fsdp2(rank: int) -> dict:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = mlp()
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    except Exception as error:  # noqa: BLE001 - FSDP2 on CPU is not available everywhere
+        return {"error": None, "unavailable": f"{type(error).__name__}: {error}"}
+    try:
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(IndexedData(20, 5), batch_size=4),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    except NotImplementedError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def unwrapped_warns(rank: int) -> dict:
+    model = mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(IndexedData(20, 5), batch_size=4),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    return {"warnings": [str(w.message) for w in caught]}
+
+
+def alias(rank: int) -> dict:
+    """Opacus's wrapper name: rank-dependent initial weights become rank 0's."""
+    torch.manual_seed(100 + rank)
+    model = nn.Linear(3, 2)
+    before = flat(model)
+    wrapped = DifferentiallyPrivateDistributedDataParallel(model)
+    _, optimizer, _ = PrivacyEngine().make_private(
+        module=wrapped, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(IndexedData(20, 3), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    return {"before": before, "after": flat(model), "noise": type(optimizer.noise).__name__}
+
+
+def stalled(rank: int) -> dict:
+    """A subgroup job whose rank 1 stops calling step(): rank 0 must fail within the 2 s timeout."""
+    group = dist.new_group([0, 1], backend="gloo")
+    model = mlp()
+    wrapped, optimizer, private_loader = PrivacyEngine().make_private(
+        module=DifferentiallyPrivateDistributedDataParallel(model, process_group=group, timeout=2.0),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(IndexedData(20, 5), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    train(wrapped, optimizer, private_loader, 1)
+    if rank == 1:
+        time.sleep(4.0)  # alive but not stepping; then it leaves the broken subgroup alone
+        return {"error": None}
+    start = time.monotonic()
+    try:
+        train(wrapped, optimizer, private_loader, 1)
+    except DistributedStepError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start,
+                "grads_dropped": all(p.grad is None for p in model.parameters())}  # fmt: skip
+    return {"error": None}
+
+
+def crashed(rank: int) -> dict:
+    """Rank 1 raises (and its process exits) in the middle of training; rank 0 must fail, not hang."""
+    model = mlp()
+    wrapped, optimizer, private_loader = PrivacyEngine().make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(IndexedData(20, 5), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    train(wrapped, optimizer, private_loader, 1)
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    start = time.monotonic()
+    try:
+        train(wrapped, optimizer, private_loader, 2)
+    except DistributedStepError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def main() -> None:
+    rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    results: dict = {}
+
+    def save() -> None:
+        torch.save(results, out / f"rank{rank}.pt")
+
+    try:
+        for mode in ("hooks", "functorch", "ghost"):
+            results[f"equivalence_{mode}"] = equivalence(rank, mode)
+        results["noisy"] = noisy(rank)
+        results["sampling"] = sampling(rank)
+        results["bandmf"] = bandmf(rank)
+        results["truncated"] = truncated(rank)
+        results["mismatch"] = mismatch(rank)
+        results["checkpoint"] = checkpoint(rank, out)
+        results["fsdp2"] = fsdp2(rank)
+        results["unwrapped"] = unwrapped_warns(rank)
+        results["alias"] = alias(rank)
+        results["stalled"] = stalled(rank)
+        save()
+        results["crashed"] = crashed(rank)
+    except BaseException:
+        results["traceback"] = traceback.format_exc()
+        save()
+        raise
+    save()
+
+
+if __name__ == "__main__":
+    main()
