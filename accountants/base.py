@@ -31,6 +31,15 @@ from accountants._validation import (
     check_sample_rate,
     check_truncation,
 )
+from accountants.composition import (
+    AtomCount,
+    AtomSequence,
+    Composition,
+    CompositionCache,
+    EventComposition,
+    atom_sequence,
+    merged_counts,
+)
 from accountants.events import (
     accumulated_dpsgd_event,
     bandmf_event,
@@ -156,15 +165,19 @@ class Accountant(abc.ABC):
     """Ledger of DP-SGD / BandMF steps; epsilon from a dp-accounting accountant.
 
     Subclasses say which dp-accounting accountant to use (`_new_dp_accountant`) and which
-    settings it takes (`settings`). The composed dp-accounting accountant is cached until the
-    next `step` or `load_state_dict`, so several `get_epsilon` calls cost one composition.
+    settings it takes (`settings`). Compositions are cached (`accountants.composition`): several
+    `get_epsilon` calls cost one composition, a new step extends the cached one instead of
+    starting again (whichever entry it was merged into), and `epsilon_if` / `would_exceed` /
+    `steps_left` answer "what if" questions from the same cache without changing the ledger.
     """
 
     name: ClassVar[str]
 
     def __init__(self) -> None:
         self._history: list[HistoryEntry] = []
-        self._composed: dp_accounting.PrivacyAccountant | None = None
+        # The composition of the current history (None: look it up in the cache again).
+        self._composed: Composition | None = None
+        self._cache = self._new_cache()
 
     # ----------------------------------------------------------------- subclass hooks
     @abc.abstractmethod
@@ -174,6 +187,50 @@ class Accountant(abc.ABC):
     @abc.abstractmethod
     def settings(self) -> dict[str, Any]:
         """Constructor keyword arguments (JSON types) that rebuild an equivalent empty accountant."""
+
+    def _new_cache(self) -> CompositionCache:
+        """The cache this accountant's compositions live in (subclasses keep more in theirs)."""
+        return CompositionCache()
+
+    def _build_composition(self, sequence: AtomSequence) -> Composition:
+        """Compose `sequence`, reusing what `self._cache` holds. Default: dp-accounting from scratch."""
+        return EventComposition(self._new_dp_accountant(), sequence)
+
+    def _exact_composition(self, sequence: AtomSequence) -> Composition:
+        """Compose `sequence` the way dp-accounting does (drift 0). Default: `_build_composition`."""
+        return self._build_composition(sequence)
+
+    def _decision_margin(self, composition: Composition, delta: float) -> float:
+        """How far `composition.get_delta(e)` may be from the drift-free value (see `_exceeds`)."""
+        return 0.0
+
+    def _largest_count_within(
+        self, start: Composition, atom: AtomCount, max_epsilon: float, delta: float, limit: int
+    ) -> int:
+        """About the largest m <= limit such that `start` plus m more occurrences of `atom` stays
+        within (max_epsilon, delta) (`steps_left` checks the boundary exactly afterwards).
+        Default: doubling, then bisection, each probe a composition from the cache."""
+
+        def fits(extra: int) -> bool:
+            sequence = (*start.sequence, AtomCount(atom.key, atom.event, extra))
+            return self._composition_of(sequence).get_epsilon(delta) <= max_epsilon
+
+        if limit <= 0 or not fits(1):
+            return 0
+        low, high = 1, 2
+        while high <= limit and fits(high):
+            low, high = high, high * 2
+        if high > limit:
+            if fits(limit):
+                return limit
+            high = limit
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low
 
     # ----------------------------------------------------------------- recording
     def step(
@@ -303,17 +360,80 @@ class Accountant(abc.ABC):
             return events[0]
         return dp_accounting.ComposedDpEvent(events)
 
-    def _composed_accountant(self) -> dp_accounting.PrivacyAccountant:
+    # ----------------------------------------------------------------- composing (cached)
+    def _sequence(self) -> AtomSequence:
+        return atom_sequence(entry.event() for entry in self._history)
+
+    def _composition_of(self, sequence: AtomSequence) -> Composition:
+        found = self._cache.find(sequence)
+        if found is None:
+            found = self._cache.store(self._build_composition(sequence))
+        return found
+
+    def _composition(self) -> Composition:
         if self._composed is None:
-            self._composed = self._new_dp_accountant().compose(self.event())
+            self._composed = self._composition_of(self._sequence())
         return self._composed
 
+    def _copy(self) -> Accountant:
+        """A copy with its own history list and the same settings and cache (not `copy.copy`:
+        pickling and copying leave the cache out, see `__getstate__`)."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        copied._history = list(self._history)
+        copied._composed = None
+        return copied
+
+    def _after(self, step_kwargs: dict[str, Any]) -> Accountant:
+        """A copy of this accountant (sharing its cache) with `step(**step_kwargs)` recorded."""
+        copied = self._copy()
+        copied.step(**step_kwargs)
+        return copied
+
+    def _exceeds(self, sequence: AtomSequence, max_epsilon: float, delta: float) -> bool:
+        """Whether `sequence` composed has epsilon > max_epsilon at delta, as dp-accounting's own
+        composition of it decides.
+
+        A cached composition may have gone through a few more lossy steps than dp-accounting's
+        (`Composition.drift`), which moves its delta(epsilon) by at most `_decision_margin`; when
+        its delta at max_epsilon is within that margin of `delta`, the drift-free composition is
+        built and decides. So the guard, `steps_left` and dp-accounting agree at the boundary.
+        """
+        if not sequence:
+            return False
+        composition = self._composition_of(sequence)
+        epsilon = composition.get_epsilon(delta)
+        if composition.drift == 0 or not math.isfinite(epsilon):
+            return epsilon > max_epsilon
+        # epsilon is non-increasing in delta: epsilon > max_epsilon exactly when delta(max) > delta.
+        delta_at_max = composition.get_delta(max_epsilon)
+        if abs(delta_at_max - delta) > self._decision_margin(composition, delta):
+            return delta_at_max > delta
+        exact = self._cache.store(self._exact_composition(sequence))
+        return exact.get_epsilon(delta) > max_epsilon
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles carry the ledger, not the cache (it is rebuilt on demand, and a
+        # shared cache between independent copies would be wrong).
+        state = dict(self.__dict__)
+        state["_history"] = list(self._history)
+        state["_composed"] = None
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache = self._new_cache()
+
+    # ----------------------------------------------------------------- privacy so far
     def get_epsilon(self, delta: float) -> float:
         """Smallest epsilon such that everything recorded is (epsilon, delta)-DP.
 
         Guarantee: the value is dp-accounting's epsilon for `self.event()` with this accountant's
         settings (an upper bound for RDP; the pessimistic PLD estimate for PLD), add/remove-one
-        adjacency.
+        adjacency. PLD compositions are cached and extended step by step; the value then differs
+        from dp-accounting's recomposition of the same event by float rounding and a few extra
+        1e-15 tail truncations (tested within 1e-9).
 
         ========================================  =====================
         case                                      result
@@ -329,7 +449,7 @@ class Accountant(abc.ABC):
             return 0.0
         if any(entry.releases_without_noise for entry in self._history):
             return math.inf
-        return float(self._composed_accountant().get_epsilon(delta))
+        return self._composition().get_epsilon(delta)
 
     def get_delta(self, epsilon: float) -> float:
         """Smallest delta such that everything recorded is (epsilon, delta)-DP (dp-accounting's).
@@ -341,7 +461,131 @@ class Accountant(abc.ABC):
             return 0.0
         if any(entry.releases_without_noise for entry in self._history):
             return 1.0
-        return float(self._composed_accountant().get_delta(epsilon))
+        return self._composition().get_delta(epsilon)
+
+    # ----------------------------------------------------------------- what if
+    def epsilon_if(self, delta: float, **step_kwargs: Any) -> float:
+        """Epsilon at `delta` if `step(**step_kwargs)` were recorded now; the ledger does not change.
+
+        Guarantee: equal to what `get_epsilon(delta)` returns right after `step(**step_kwargs)`
+        (the composition is kept, so that call then costs nothing). Used by the privacy budget
+        guard before each release.
+
+        ===========================  ================================================
+        case                         result
+        ===========================  ================================================
+        num_steps = 0                the current epsilon
+        invalid step arguments       the error `step` raises; nothing recorded
+        delta outside (0, 1)         ValueError naming delta
+        ===========================  ================================================
+        """
+        delta = check_delta(delta)
+        return self._after(step_kwargs).get_epsilon(delta)
+
+    def history_if(self, **step_kwargs: Any) -> tuple[HistoryEntry, ...]:
+        """The history `step(**step_kwargs)` would leave (errors as `step`); the ledger does not change."""
+        return self._after(step_kwargs).history
+
+    def would_exceed(self, max_epsilon: float, delta: float, **step_kwargs: Any) -> bool:
+        """Whether recording `step(**step_kwargs)` now would make `get_epsilon(delta) > max_epsilon`.
+
+        Guarantee: the decision of the drift-free composition (dp-accounting's way of composing
+        the same event) even when the cached value is within float noise of `max_epsilon`; the
+        ledger does not change. Agrees with `steps_left`: it is True exactly when
+        `steps_left(max_epsilon, delta, **step_kwargs) == 0` for a one-step call.
+
+        ============================  ======================================
+        case                          result
+        ============================  ======================================
+        step releases without noise   True (epsilon inf)
+        step with sample_rate 0       as without the step
+        max_epsilon < 0, NaN, inf     ValueError naming max_epsilon
+        invalid step arguments        the error `step` raises
+        ============================  ======================================
+        """
+        max_epsilon = check_real("max_epsilon", max_epsilon, low=0.0)
+        delta = check_delta(delta)
+        after = self._after(step_kwargs)
+        return after._exceeds(after._sequence(), max_epsilon, delta)
+
+    def steps_left(self, max_epsilon: float, delta: float, *, limit: int = 2**20, **step_kwargs: Any) -> int:
+        """How many more `step(**step_kwargs)` calls (one step each) keep `get_epsilon(delta) <= max_epsilon`.
+
+        Guarantee: recording the returned number k of such steps keeps epsilon within max_epsilon,
+        and one more would exceed it (unless k == limit), decided as `would_exceed` decides (so a
+        guard consulting `would_exceed` before each step allows exactly k). The ledger does not
+        change. The search doubles the number of participations and then bisects (PLD: binary
+        lifting over powers of the step's distribution), then checks the boundary exactly.
+
+        ==============================  ===========================================
+        case                            result
+        ==============================  ===========================================
+        already over max_epsilon        0
+        steps that add no privacy loss  limit (sample_rate 0)
+        noiseless steps (q > 0)         0
+        more than limit steps fit       limit
+        num_steps given                 TypeError: each call counts one step
+        limit < 0 / max_epsilon < 0     ValueError naming it
+        invalid step arguments          the error `step` raises
+        ==============================  ===========================================
+        """
+        max_epsilon = check_real("max_epsilon", max_epsilon, low=0.0)
+        delta = check_delta(delta)
+        limit = check_int("limit", limit, low=0)
+        if "num_steps" in step_kwargs:
+            raise TypeError("steps_left counts single steps: leave out num_steps.")
+        self._after({**step_kwargs, "num_steps": 0})  # validates the step, records nothing
+        sequence = self._sequence()
+        if limit == 0 or self._exceeds(sequence, max_epsilon, delta):
+            return 0
+        before = merged_counts(sequence)
+
+        def grown(steps: int) -> AtomSequence:
+            return self._after({**step_kwargs, "num_steps": steps})._sequence() if steps else sequence
+
+        def fits(steps: int) -> bool:
+            return not self._exceeds(grown(steps), max_epsilon, delta)
+
+        def last_fitting(fits: Any, high: int) -> int:
+            # Largest k in [0, high] with fits(k), for fits monotone and fits(0) true.
+            if fits(high):
+                return high
+            low = 0
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(middle):
+                    low = middle
+                else:
+                    high = middle
+            return low
+
+        def changed(steps: int) -> dict[str, int]:
+            after = merged_counts(grown(steps))
+            return {key: count for key, count in after.items() if count != before.get(key, 0)}
+
+        # The atom these steps add to (BandMF: the first steps may add no participation).
+        probe = 1
+        while not changed(probe):
+            if probe >= limit:
+                return limit
+            probe = min(2 * probe, limit)
+        keys = list(changed(probe))
+        if len(keys) != 1:
+            return last_fitting(fits, limit)
+        atom = next(atom for atom in grown(probe) if atom.key == keys[0])
+
+        def added(steps: int) -> int:
+            return merged_counts(grown(steps)).get(atom.key, 0) - before.get(atom.key, 0)
+
+        most = added(limit)
+        fitting = self._largest_count_within(self._composition_of(sequence), atom, max_epsilon, delta, most)
+        estimate = limit if fitting >= most else last_fitting(lambda steps: added(steps) <= fitting, limit)
+        # The search above decides on cached values; settle the boundary as would_exceed does.
+        while estimate > 0 and not fits(estimate):
+            estimate -= 1
+        while estimate < limit and fits(estimate + 1):
+            estimate += 1
+        return estimate
 
     # ----------------------------------------------------------------- copies and checkpoints
     def fresh(self) -> Accountant:

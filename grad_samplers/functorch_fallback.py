@@ -262,27 +262,43 @@ def per_sample_forward_for(module: nn.Module) -> PerSampleForward | None:
 def _own_forwards_under_vmap(module: nn.Module, module_path: str) -> Iterator[None]:
     """While active, every layer strictly inside ``module``'s subtree that registered a ``vmap_forward``
     (and whose forward is its class's) runs that instead of its forward (fused kernels without batching
-    rules: recurrent layers). An error raised meanwhile gets a note saying why those layers ran under
+    rules: recurrent layers). An error raised meanwhile gets a note saying why such layers ran under
     ``vmap`` and how to avoid it."""
-    replaced = []
+    replaced, custom = [], []
     try:
         for inner in module.modules():
-            own = per_sample_forward_for(inner)
-            if inner is module or own is None or own.vmap_forward is None or "forward" in inner.__dict__:
+            if not any(base in _PER_SAMPLE_FORWARDS for base in type(inner).__mro__):
                 continue
-            inner.forward = partial(own.vmap_forward, inner)
-            replaced.append(inner)
+            own = per_sample_forward_for(inner)
+            if inner is module:  # its forward is the one being run (``module.forward`` is the wrapper's patch)
+                if own is None:
+                    custom.append(inner)
+            elif own is None or "forward" in inner.__dict__:
+                custom.append(inner)  # a subclass or instance with its own forward: nothing to swap in
+            elif own.vmap_forward is not None:
+                inner.forward = partial(own.vmap_forward, inner)
+                replaced.append(inner)
         yield
     except Exception as error:
-        if replaced and hasattr(error, "add_note"):
-            kinds = sorted({type(inner).__name__ for inner in replaced})
+        if (replaced or custom) and hasattr(error, "add_note"):
             label = f"module {module_path!r}" if module_path else "the top-level module"
-            error.add_note(
-                f"{label} owns parameters itself, so it runs under the torch.func fallback (vmap, one example "
-                f"per call) together with the {'/'.join(kinds)} inside it; there a PackedSequence cannot be "
-                f"built or split per example. Move the own parameters of {label} into a child module: the "
-                f"recurrent layer then gets its exact per-sample gradients on its own, for any input."
-            )
+            if custom:
+                kinds = sorted({type(inner).__name__ for inner in custom})
+                error.add_note(
+                    f"{label} runs under the torch.func fallback (vmap, one example per call) and contains "
+                    f"{'/'.join(kinds)} with a forward of its own (a subclass of a torch recurrent layer, or a "
+                    f"replaced forward), which cannot be swapped for a vmap-safe one; torch's fused recurrent "
+                    f"kernels have no batching rule. Call a plain torch layer (nn.LSTM, nn.GRU, nn.RNN, or a "
+                    f"cell) as a child module instead of overriding its forward."
+                )
+            if replaced:
+                kinds = sorted({type(inner).__name__ for inner in replaced})
+                error.add_note(
+                    f"{label} owns parameters itself, so it runs under the torch.func fallback (vmap, one example "
+                    f"per call) together with the {'/'.join(kinds)} inside it; there a PackedSequence cannot be "
+                    f"built or split per example. Move the own parameters of {label} into a child module: the "
+                    f"recurrent layer then gets its exact per-sample gradients on its own, for any input."
+                )
         raise
     finally:
         for inner in replaced:

@@ -43,21 +43,34 @@ sequence); at steps past a sequence's length its state is frozen (``where``), so
 exactly zero gradient; the reverse direction reverses each sequence within its own length. The output
 is packed again with the input's own ``batch_sizes``, ``sorted_indices`` and ``unsorted_indices``
 (same data order as ``nn.LSTM``'s). The examples are the sequences, in the caller's order.
+
+Where the layers are reached:
+
+- as fallback modules (they own parameters and have no grad sampler): ``functorch_fallback`` hands their
+  training-mode calls to ``recurrent_per_sample_forward`` (``register_per_sample_forward``), in hooks and
+  ghost mode alike (ghost mode materialises these per-example gradients);
+- inside another module that the ``vmap`` fallback differentiates (it owns parameters itself, e.g. a
+  learned initial state): ``recurrent_vmap_forward``, the same decomposition in plain autograd, runs per
+  example under that module's ``vmap`` (padded input only: a ``PackedSequence`` cannot be split there);
+- the cells ``nn.LSTMCell``/``nn.GRUCell``/``nn.RNNCell`` in a user's own time loop: the ``vmap`` fallback
+  over a decomposed cell (one step per call; the fused cell kernels have no batching rule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from grad_samplers.functorch_fallback import PerSampleGradCallback, register_per_sample_forward
+from grad_samplers.functorch_fallback import PerSampleGradCallback, per_sample_forward, register_per_sample_forward
 
 __all__ = [
+    "CELL_TYPES",
     "RECURRENT_TYPES",
     "recurrent_output_batch_size",
     "recurrent_per_sample_forward",
@@ -65,7 +78,7 @@ __all__ = [
 ]
 
 RECURRENT_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
-_GATE_COUNT = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+CELL_TYPES = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 # Slots of one layer-direction's parameters, in this order everywhere below.
 _WEIGHT_NAMES = ("weight_ih", "bias_ih", "weight_hh", "bias_hh", "weight_hr")
 W_IH, B_IH, W_HH, B_HH, W_HR = range(5)
@@ -83,7 +96,7 @@ class _Direction:
     previous_hidden: torch.Tensor | None = None  # (B, T, H_out): the state each step started from
     reset_gates: torch.Tensor | None = None  # GRU: (B, T, H)
     cell_outputs: torch.Tensor | None = None  # LSTM with projections: (B, T, H), before W_hr
-    released: bool = field(default=False)
+    released: bool = False  # set once backward has delivered the per-sample gradients
 
 
 class _InputProjection(torch.autograd.Function):
@@ -281,6 +294,7 @@ class _PackedLayout:
     sequence_of_row: torch.Tensor
     time_of_row: torch.Tensor
     lengths: torch.Tensor  # (B,), the caller's order
+    steps: int
 
     @staticmethod
     def of(packed: PackedSequence) -> _PackedLayout:
@@ -299,11 +313,10 @@ class _PackedLayout:
             sequence_of_row = sorted_indices[rank_of_row]
             lengths = torch.empty_like(lengths_sorted)
             lengths[sorted_indices] = lengths_sorted
-        return _PackedLayout(sequence_of_row.to(device), time_of_row.to(device), lengths.to(device))
+        return _PackedLayout(sequence_of_row.to(device), time_of_row.to(device), lengths.to(device), steps)
 
     def pad(self, data: torch.Tensor) -> torch.Tensor:
-        batch_size, steps = self.lengths.numel(), int(self.lengths.max())
-        padded = data.new_zeros(batch_size, steps, *data.shape[1:])
+        padded = data.new_zeros(self.lengths.numel(), self.steps, *data.shape[1:])
         return padded.index_put((self.sequence_of_row, self.time_of_row), data)
 
     def pack(self, padded: torch.Tensor, like: PackedSequence) -> PackedSequence:
@@ -495,3 +508,59 @@ def recurrent_output_batch_size(module: nn.RNNBase, output) -> int | None:
 register_per_sample_forward(
     *RECURRENT_TYPES, output_batch_size=recurrent_output_batch_size, vmap_forward=recurrent_vmap_forward
 )(recurrent_per_sample_forward)
+
+
+# ---------------------------------------------------------------------------------- cells
+def _cell_forward(cell: nn.RNNCellBase, input, hx=None):
+    """``nn.LSTMCell``/``nn.GRUCell``/``nn.RNNCell``'s forward in plain operations (the fused cell
+    kernels have no ``vmap`` batching rule: ``aten::lstm_cell`` fails, the others loop per example)."""
+    if isinstance(cell, nn.LSTMCell):
+        mode = "LSTM"
+    elif isinstance(cell, nn.GRUCell):
+        mode = "GRU"
+    else:
+        mode = "RNN_TANH" if cell.nonlinearity == "tanh" else "RNN_RELU"
+    unbatched = input.dim() == 1
+    if unbatched:
+        input = input.unsqueeze(0)
+    zeros = input.new_zeros(input.shape[0], cell.hidden_size)
+    if mode == "LSTM":
+        h, c = hx if hx is not None else (zeros, zeros)
+    else:
+        h, c = (hx if hx is not None else zeros), None
+    if unbatched and hx is not None:
+        h, c = h.unsqueeze(0), None if c is None else c.unsqueeze(0)
+    gates_x = F.linear(input, cell.weight_ih, cell.bias_ih)
+    h_new, c_new, _ = _step(mode, gates_x, h, c, cell.weight_hh, cell.bias_hh)
+    if unbatched:
+        h_new, c_new = h_new.squeeze(0), None if c_new is None else c_new.squeeze(0)
+    return (h_new, c_new) if mode == "LSTM" else h_new
+
+
+def cell_per_sample_forward(
+    module: nn.RNNCellBase,
+    original_forward: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    params: dict[str, torch.Tensor],
+    batch_dim: int,
+    module_path: str,
+    on_per_sample_grad: PerSampleGradCallback,
+):
+    """One training-mode call of a recurrent cell: the ``vmap`` fallback over ``_cell_forward`` (exact;
+    each example's gradient of one step). The batch is dim 0 of the cell's input and states, whatever
+    the wrapper's ``batch_first``."""
+    del original_forward, batch_dim
+    return per_sample_forward(module, partial(_cell_forward, module), args, kwargs, params=params, batch_dim=0,
+                              module_path=module_path, on_per_sample_grad=on_per_sample_grad)
+
+
+def cell_output_batch_size(module: nn.RNNCellBase, output) -> int | None:
+    first = output[0] if isinstance(output, tuple) else output
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() == 2 else None
+
+
+register_per_sample_forward(*CELL_TYPES, output_batch_size=cell_output_batch_size, vmap_forward=_cell_forward)(
+    cell_per_sample_forward
+)

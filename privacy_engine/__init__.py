@@ -4,8 +4,11 @@ Data path: module -> hooks (GradSampleModule) -> samplers (grad_samplers) -> cli
 optimizer -> accountant (accountants) -> engine (PrivacyEngine).
 """
 
+from privacy_engine.budget import PrivacyBudget, PrivacyBudgetExceeded
 from privacy_engine.clipper import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
+from privacy_engine.distributed import DifferentiallyPrivateDistributedDataParallel
 from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
+from privacy_engine.fixer import FixReport, ModuleValidator, fix_module
 from privacy_engine.ghost_clipping import GhostClippingModule
 from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError, per_sample_gradients
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
@@ -22,16 +25,22 @@ __all__ = [
     "ClippingStats",
     "DPDataLoader",
     "DPOptimizer",
+    "DifferentiallyPrivateDistributedDataParallel",
+    "FixReport",
     "GaussianNoise",
     "GhostClippingModule",
     "GradSampleModule",
+    "ModuleValidator",
     "NoiseMechanism",
     "NoisePlan",
     "ParameterUsageError",
     "PerSampleGradientClipper",
+    "PrivacyBudget",
+    "PrivacyBudgetExceeded",
     "PrivacyEngine",
     "UnsupportedModuleError",
     "VirtualSteps",
+    "fix_module",
     "parameter_groups",
     "per_sample_gradients",
 ]

@@ -66,7 +66,6 @@ MAGIC = b"PRIVACYENGINECKP"
 FORMAT_VERSION = 1
 PAYLOAD_FORMAT = "privacy_engine.checkpoint/1"
 _HEADER = struct.Struct("<16sIIQ32s")  # magic, version, reserved, payload length, sha256: 64 bytes
-_CHUNK = 1 << 22
 
 # Keys the checkpoint writes itself; a caller's checkpoint_dict may not use them.
 MODULE_KEY = "module_state_dict"
@@ -291,20 +290,22 @@ def _read(file: Any, name: str, map_location: Any) -> dict:
             f"checkpoint {name} has format version {version} (reserved field {reserved}); this privacy_engine reads "
             f"version {FORMAT_VERSION}: the file is damaged or from a newer version, which can read it"
         )
-    sha256 = hashlib.sha256()
-    payload = bytearray()
-    while len(payload) < length:
-        chunk = file.read(min(_CHUNK, length - len(payload)))
-        if not chunk:
-            raise CheckpointError(
-                f"checkpoint {name} is truncated: {len(payload)} of its {length} payload bytes are there (an "
-                "interrupted copy?); use an earlier checkpoint or copy it again"
-            )
-        payload += chunk
-        sha256.update(chunk)
+    to_read = length
+    if file.seekable():  # compare sizes first: a damaged length field must not make us allocate it
+        start = file.tell()
+        available = file.seek(0, os.SEEK_END) - start
+        file.seek(start)
+        to_read = min(length, available)
+    # One bytes object (BytesIO shares it instead of copying): the file is held once in memory.
+    payload = file.read(to_read)
+    if len(payload) < length:
+        raise CheckpointError(
+            f"checkpoint {name} is truncated: {len(payload)} of its {length} payload bytes are there (an "
+            "interrupted copy?); use an earlier checkpoint or copy it again"
+        )
     if file.read(1):
         raise CheckpointError(f"checkpoint {name} has extra bytes after its {length}-byte payload: it is damaged")
-    if sha256.digest() != digest:
+    if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(
             f"checkpoint {name} is damaged: the SHA-256 of its payload does not match the one stored with it "
             "(bit flips in storage or transfer); use an earlier checkpoint or copy it again"
@@ -337,10 +338,10 @@ def _is_cyclic_loader_state(state: Any) -> bool:
     return isinstance(state, Mapping) and "groups" in state
 
 
-def _needs_loader(engine: Any, loader_state: Any) -> bool:
+def _needs_loader(engine: Any) -> bool:
+    """BandMF with cyclic sampling over several groups: the loader's groups must carry over."""
     plan = getattr(engine, "noise_plan", None)
-    bands = 1 if plan is None else int(plan.num_bands)
-    return bands > 1 or _is_cyclic_loader_state(loader_state)
+    return plan is not None and int(plan.num_bands) > 1
 
 
 def build_checkpoint(
@@ -383,7 +384,7 @@ def build_checkpoint(
             f"data_loader is a {type(data_loader).__name__}; pass the DPDataLoader returned by make_private (it "
             "holds the sampling state)"
         )
-    if data_loader is None and _needs_loader(engine, None):
+    if data_loader is None and _needs_loader(engine):
         raise ValueError(
             "this run uses BandMF noise with cyclic sampling: pass data_loader= to save_checkpoint, so that its "
             "group assignment and position are saved (without them a resumed run could sample an example fewer "
@@ -392,18 +393,40 @@ def build_checkpoint(
     checkpoint: dict[str, Any] = {"format": PAYLOAD_FORMAT, **extra}
     checkpoint[MODULE_KEY] = module.state_dict(**dict(module_state_dict_kwargs or {}))
     checkpoint[ENGINE_KEY] = engine.state_dict()
-    metadata: dict[str, Any] = {"optimizer_class": None}
+    metadata: dict[str, Any] = {"optimizer_class": None, "batch_in_flight": False}
     if optimizer is not None:
         checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
         metadata["optimizer_class"] = type(optimizer.original_optimizer).__qualname__
     if data_loader is not None:
         checkpoint[LOADER_KEY] = data_loader.state_dict()
+        if optimizer is not None:
+            metadata["batch_in_flight"] = _batch_in_flight(optimizer, checkpoint[LOADER_KEY]["next_step"])
     if noise_scheduler is not None:
         checkpoint[NOISE_SCHEDULER_KEY] = noise_scheduler.state_dict()
     if grad_clip_scheduler is not None:
         checkpoint[CLIP_SCHEDULER_KEY] = grad_clip_scheduler.state_dict()
     checkpoint[METADATA_KEY] = metadata
     return checkpoint
+
+
+def _batch_in_flight(optimizer: Any, loader_next_step: int) -> bool:
+    """True if the loader has yielded a batch that no released step has used yet (a save between
+    drawing a batch and its ``optimizer.step()``, or between micro-batches of one logical step)."""
+    last_released = getattr(getattr(optimizer, "contract", None), "last_released_step", None)
+    released_next = 0 if last_released is None else last_released + 1
+    return loader_next_step > released_next or bool(getattr(optimizer, "_in_logical_step", False))
+
+
+def _inexact_resume_reason(engine: Any, checkpoint: Mapping, optimizer: Any, data_loader: Any) -> str | None:
+    """Why the saved noise generators must not continue (None: they may)."""
+    if optimizer is None or engine.secure_mode:
+        return None  # nothing restored, or secure mode: the generators are fresh anyway
+    if data_loader is None or LOADER_KEY not in checkpoint:
+        return "the loader's sampling state was not restored (save and load with data_loader=)"
+    if checkpoint.get(METADATA_KEY, {}).get("batch_in_flight"):
+        return ("it was saved after a batch was drawn from the loader and before optimizer.step() released it (save "
+                "right after optimizer.step())")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -447,14 +470,19 @@ def check_loader_state(data_loader: Any, state: Any) -> None:
     """Raise ``ValueError`` unless ``data_loader.load_state_dict(state)`` restores a sampling state
     of the same kind: Poisson or cyclic, the same generator kind, and for cyclic sampling groups
     that partition exactly this loader's examples into as many groups. Changes nothing."""
-    from privacy_engine.sampling import CyclicPoissonBatchSampler
+    from privacy_engine.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
 
     if not isinstance(state, Mapping):
         raise ValueError(f"the saved loader state is a {type(state).__name__}, not a dict")
-    sampler = data_loader.batch_sampler
     next_step = state.get("next_step")
     if isinstance(next_step, bool) or not isinstance(next_step, int) or next_step < 0:
         raise ValueError(f"the saved loader state's next_step is {next_step!r}, not an int >= 0")
+    if callable(getattr(data_loader, "check_state_dict", None)):
+        data_loader.check_state_dict(state)  # a loader that knows its own state best
+        return
+    sampler = data_loader.batch_sampler
+    if type(sampler) not in (PoissonBatchSampler, CyclicPoissonBatchSampler):
+        return  # another sampler (e.g. distributed): its load_state_dict validates before changing anything
     cyclic = isinstance(sampler, CyclicPoissonBatchSampler)
     if cyclic != _is_cyclic_loader_state(state):
         saved_kind, kind = ("Poisson", "cyclic Poisson") if cyclic else ("cyclic Poisson", "Poisson")
@@ -491,9 +519,10 @@ def check_loader_state(data_loader: Any, state: Any) -> None:
             "settings as the saved run"
         )
     generator_state = state.get("generator_state")
-    if kind == "secure":
+    if kind != "own":
         if generator_state is not None:
-            raise ValueError("the loader state of a secure-mode run must not hold a generator state (altered?)")
+            raise ValueError(f"the loader state of a loader sampling with {_GENERATOR_KINDS[kind]} holds a generator "
+                             "state: it was altered")
     else:
         size = torch.Generator().get_state().numel()
         if not (isinstance(generator_state, torch.Tensor) and generator_state.dtype == torch.uint8
@@ -567,7 +596,8 @@ def _validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: An
         check_loader_state(data_loader, loader_state)
     saved_plan = checkpoint[ENGINE_KEY].get("noise_plan")
     saved_bands = 1 if not isinstance(saved_plan, Mapping) else int(saved_plan.get("num_bands", 1))
-    if saved_bands > 1 or _is_cyclic_loader_state(loader_state) or _needs_loader(engine, None):
+    saved_groups = len(loader_state["groups"]) if _is_cyclic_loader_state(loader_state) else 1
+    if saved_bands > 1 or saved_groups > 1 or _needs_loader(engine):
         if loader_state is None:
             raise ValueError(
                 "this is a BandMF run with cyclic sampling, but the checkpoint holds no loader state: its group "
@@ -629,9 +659,16 @@ def restore_checkpoint(
     scheduler given, none in the file               the scheduler
     ==============================================  ============================================
 
+    Exact or fresh noise. The saved noise generators continue only if the resume is exact: the
+    loader's state is restored and no drawn batch was waiting for its step when the file was saved.
+    Otherwise the noise continues from new generators (``NoiseMechanism.reseed``; a warning says
+    why), the waiting batch is skipped and a partly accumulated logical step is dropped: the saved
+    generators would add the noise the interrupted run added (or was about to add) to one batch to
+    another, and two releases with the same noise reveal the difference of their gradients.
+
     An optimizer state in the file but no ``optimizer=`` restores the rest (with a warning).
-    Restoring a loader that sampled from torch's global generator sets that generator's state
-    (``torch.set_rng_state``): the batches then continue exactly as in the saved run.
+    A loader that samples from torch's global generator (one built by hand without a generator)
+    restores its position but not that shared generator: its batches do not continue exactly.
     """
     load_kwargs = dict(module_load_dict_kwargs or {})
     try:
@@ -648,6 +685,8 @@ def restore_checkpoint(
             "restored, so training on would continue with the current optimizer's noise",
             stacklevel=3,
         )
+    fresh_noise_reason = _inexact_resume_reason(engine, checkpoint, optimizer, data_loader)
+    batch_in_flight = bool(checkpoint.get(METADATA_KEY, {}).get("batch_in_flight"))
     undo: list = []
     with deferred_keyboard_interrupt():
         try:
@@ -662,6 +701,10 @@ def restore_checkpoint(
                 optimizer_backup = optimizer.state_dict()
                 undo.append(lambda: optimizer.load_state_dict(optimizer_backup))
                 optimizer.load_state_dict(checkpoint[OPTIMIZER_KEY])
+                if fresh_noise_reason is not None:
+                    optimizer.noise.reseed()
+                if batch_in_flight:
+                    optimizer.discard_logical_step()
             module_backup = _snapshot_module(module)
             undo.append(lambda: module.load_state_dict(module_backup))
             module.load_state_dict(checkpoint[MODULE_KEY], **load_kwargs)
@@ -676,6 +719,14 @@ def restore_checkpoint(
             if isinstance(error, (ValueError, TypeError, RuntimeError)) and not isinstance(error, CheckpointError):
                 raise _fail(name, f"{type(error).__name__}: {error}") from error
             raise
+    if fresh_noise_reason is not None:
+        warnings.warn(
+            f"checkpoint {name}: the noise continues from new generators, not the saved ones, because "
+            f"{fresh_noise_reason}. The saved generators would add noise the interrupted run used on one batch to "
+            "another batch, which reveals the difference of their gradients. Training stays private; it is not "
+            "bit-identical to an uninterrupted run.",
+            stacklevel=3,
+        )
 
 
 def _restore_engine(engine: Any, backup: tuple) -> None:

@@ -432,7 +432,9 @@ class PerSampleGradientClipper:
                     # factor 0 times a NaN/Inf entry is NaN: drop those rows outright. (nan_safe
                     # already zeroed every non-finite entry, and 0 * finite = 0.)
                     grads = torch.where(_expand_rows(column > 0, grads), grads, torch.zeros((), dtype=grads.dtype, device=grads.device))
-                clipped_sums[self.params[index]] = torch.tensordot(column.to(grads.dtype), grads, dims=1)
+                # Summed in float32 at least: a bf16/fp16 sum would round to an ulp of the whole batch's sum.
+                accumulation = _norm_dtype(grads.dtype)
+                clipped_sums[self.params[index]] = torch.tensordot(column.to(accumulation), grads.to(accumulation), dims=1)
             self._accumulate(clipped_sums, norms, padding_mask, owned=True)
         for param in self.params:
             if getattr(param, "grad_sample", None) is not None:
@@ -637,6 +639,7 @@ def _finite_entries(grads: torch.Tensor) -> torch.Tensor:
 def _squared_norms(params: Sequence[nn.Parameter], grads_by_index: Mapping[int, torch.Tensor]) -> dict:
     """``{param: (batch,) squared L2 norms}`` of each parameter's per-sample gradients."""
     return {
-        params[i]: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=_norm_dtype(g.dtype)).square()
+        # reshape, not flatten(1): a 0-dim parameter's per-sample gradients are 1-D.
+        params[i]: torch.linalg.vector_norm(g.reshape(len(g), params[i].numel()), dim=1, dtype=_norm_dtype(g.dtype)).square()
         for i, g in grads_by_index.items()
     }

@@ -13,8 +13,11 @@ What one global step does (``make_private`` sets it up; nothing else changes in 
 1. Sampling. Every example belongs to exactly one rank's shard; each rank Poisson-samples its own
    shard with the global rate ``q`` (independent draws, from a stream of its own), so the union of
    the ranks' batches is one Poisson sample of the dataset. Cyclic Poisson sampling (BandMF) splits
-   the dataset into the same ``b`` global groups on every rank (a permutation from a seed agreed at
-   ``make_private``) and each group into one part per rank.
+   the dataset into the same ``b`` global groups on every rank (drawn from a seed agreed at
+   ``make_private``) and each group into one part per rank. Truncated sampling (``max_batch_size``,
+   the cap on the global batch): every rank draws the same truncated sample and keeps its slice of
+   ``max_batch_size / world_size`` entries, so it is accounted exactly as in one process
+   (``privacy_engine.distributed_sampling`` says why a cap per rank on its own draw would not be).
 2. Each rank clips its own examples into a local clipped sum (hooks, functorch or ghost mode).
 3. Rank 0 adds this step's noise (Gaussian or BandMF, secure mode included) to its local sum;
    then one all-reduce (SUM) over the ranks gives every rank the same ``sum of all clipped
@@ -39,6 +42,14 @@ Failures. Every collective waits at most ``timeout`` (the process group's timeou
 stalled makes the others raise ``DistributedStepError`` naming the step, instead of hanging.
 ``make_private`` compares the privacy settings of all ranks (sigma, clipping, seeds, mechanism,
 sample rate, ...) and raises ``DistributedSettingsError`` on every rank, naming what differs.
+Every rank must call ``optimizer.step()`` at every step, an empty local batch included: a rank
+that skips one leaves the others waiting at the all-reduce until the timeout.
+
+Checkpoints: the job's noise state is rank 0's (``optimizer.state_dict()`` on rank 0; the
+accountant is the same on every rank); the sampling state of all ranks is
+``distributed_state(loader)`` (collective). Save both from rank 0; on resume every rank loads the
+same file (``optimizer.load_state_dict``, ``load_distributed_state(loader, state)``). Save between
+steps: a clipped sum accumulated on another rank mid-step is not in rank 0's state.
 
 Not supported: FSDP / FSDP2 (``fully_shard``; sharded parameters would need per-example gradients
 of the unsharded weights), ``nn.DataParallel`` (replicas in threads), ``poisson_sampling=False``.
@@ -51,44 +62,42 @@ import hashlib
 import math
 import numbers
 import os
-import pickle
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from privacy_engine.noise import NoiseMechanism
-from privacy_engine.sampling import (
-    DPDataLoader,
-    _bernoulli_members,
-    _DPBatchSampler,
-    _expected_batch_size,
-    _positive_int,
-    _sized_dataset_length,
-    _validated_indices,
-    _validated_sample_rate,
-    loader_index_set,
+from privacy_engine.distributed_sampling import (
+    DistributedCyclicPoissonBatchSampler,
+    DistributedDPDataLoader,
+    DistributedPoissonBatchSampler,
+    derived_seed,
 )
+from privacy_engine.noise import NoiseMechanism
+from privacy_engine.optimizer import DPOptimizer
 
 __all__ = [
     "DifferentiallyPrivateDistributedDataParallel",
     "DistributedCyclicPoissonBatchSampler",
     "DistributedDPDataLoader",
+    "DistributedDPOptimizer",
     "DistributedJob",
     "DistributedPoissonBatchSampler",
     "DistributedSettingsError",
     "DistributedStepError",
+    "DistributedUniformWithReplacementSampler",
     "RankZeroNoise",
     "agree",
     "configure",
+    "distributed_data_loader",
     "distributed_state",
     "load_distributed_state",
     "unwrap",
@@ -130,14 +139,13 @@ def _require_initialized(what: str) -> None:
 def _group_timeout(group: Any) -> datetime.timedelta | None:
     """The process group's own timeout (what ``init_process_group(timeout=)`` set), if readable."""
     group = group if group is not None else dist.group.WORLD
+    timeouts = []
     for device in ("cpu", "cuda"):
         try:
-            timeout = group._get_backend(torch.device(device)).options._timeout
+            timeouts.append(group._get_backend(torch.device(device)).options._timeout)
         except Exception:  # noqa: BLE001 - private API, absent or different across versions/backends
-            continue
-        if isinstance(timeout, datetime.timedelta):
-            return timeout
-    return None
+            timeouts.append(None)
+    return next((t for t in timeouts if isinstance(t, datetime.timedelta)), None)
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -145,13 +153,6 @@ def _collective_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _derived_seed(seed: int, *key: int) -> int:
-    # SeedSequence gives statistically independent streams per key from one seed (neighbouring
-    # integers as seeds would not be).
-    sequence = np.random.SeedSequence(entropy=int(seed), spawn_key=tuple(int(k) for k in key))
-    return int(sequence.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
 def _os_seed() -> int:
@@ -172,10 +173,11 @@ class DistributedJob:
 
     ``rank``/``world_size`` are within ``process_group`` (None: the default group). ``timeout``
     bounds every collective of private training (None: the process group's timeout).
-    ``sampling_seed`` seeds the sampling streams reproducibly (derived from ``noise_generator`` or
-    ``noise_seed``; None: OS entropy). ``seed_fingerprint`` describes what seeds the noise, for
-    the cross-rank check. ``communication_seconds`` sums the time spent in (and waiting at) the
-    per-step all-reduce.
+    ``sampling_seed`` seeds the sampling streams reproducibly (derived from ``noise_generator``'s
+    state or from ``noise_seed``; None: rank 0 draws one from torch's global generator, or from the
+    OS in secure mode); rank 0's is the job's. ``seed_fingerprint`` describes what seeds the noise,
+    for the cross-rank check. ``communication_seconds`` sums the time spent in (and waiting at)
+    the per-step all-reduce.
     """
 
     process_group: Any
@@ -207,7 +209,7 @@ class DistributedJob:
                 work.wait()
             else:
                 work.wait(timeout)
-        except Exception as error:  # noqa: BLE001 - backends raise RuntimeError / DistBackendError / ...
+        except Exception as error:
             limit = f" (timeout {timeout.total_seconds():g} s)" if timeout is not None else ""
             raise DistributedStepError(
                 f"rank {self.rank} of {self.world_size}: {what} did not complete{limit}: another rank raised, "
@@ -244,7 +246,7 @@ class DistributedJob:
         if dist.get_backend(self.process_group) == "gloo" and timeout is not None:
             try:
                 dist.monitored_barrier(group=self.process_group, timeout=timeout, wait_all_ranks=True)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 raise DistributedStepError(
                     f"rank {self.rank} of {self.world_size}: not every rank reached {what} within "
                     f"{timeout.total_seconds():g} s (another rank raised, died or stalled; see its log). "
@@ -257,7 +259,7 @@ class DistributedJob:
         gathered: list = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, value, group=self.process_group)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise DistributedStepError(f"rank {self.rank} of {self.world_size}: {what} failed: {error}") from error
         return gathered
 
@@ -266,8 +268,9 @@ class DistributedJob:
                        poisson_sampling: bool, steps: int) -> DistributedDPDataLoader:  # fmt: skip
         """This rank's private loader (``make_private`` calls it while planning, on every rank).
 
-        Collective: the sampling seed is rank 0's (``sampling_seed``, or OS entropy), broadcast,
-        so every rank has the same cyclic groups and truncated draws and independent shard streams.
+        Collective: the sampling seed is rank 0's, broadcast, so every rank has the same cyclic
+        groups and truncated draws (and, keyed by rank, independent shard streams). A rank that
+        failed earlier in ``make_private`` makes the others raise here, after the timeout.
         """
         if not poisson_sampling:
             raise ValueError(
@@ -283,9 +286,12 @@ class DistributedJob:
             # rank 0 makes the run reproducible.
             proposal = int(torch.randint(0, 2**62, (1,)).item())
         seed = self.broadcast_int(proposal, "make_private agreeing on the sampling seed")
+        shared_seed = None
+        if self.secure_mode and max_batch_size is not None:
+            shared_seed = self.broadcast_int(_os_seed(), "make_private agreeing on the secure sampling seed")
         loader = DistributedDPDataLoader.from_data_loader(
             data_loader, rank=self.rank, world_size=self.world_size, seed=seed, num_groups=num_groups,
-            max_batch_size=max_batch_size, steps=steps,
+            max_batch_size=max_batch_size, steps=steps, secure=self.secure_mode, shared_seed=shared_seed,
         )  # fmt: skip
         loader.distributed_job = self
         return loader
@@ -417,7 +423,8 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     a plain module, world size > 1                (model, None) and a warning: each rank trains
                                                   alone and reports its own epsilon
     FSDP / FSDP2 (fully_shard) / DataParallel     NotImplementedError saying what is supported
-    DDP inside the model / DDP of DDP             ValueError: wrap the whole model once
+    DDP inside the model                          ValueError: wrap the whole model once
+    DDP of DDP                                    TypeError: wrap the model once
     ============================================  ==============================================
     """
     problem = _sharded_wrapper_problem(model)
@@ -447,7 +454,7 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
         return model, None
     inner = model.module
     if isinstance(inner, wrappers):
-        raise ValueError(f"{type(model).__name__} wraps another {type(inner).__name__}: wrap the model once")
+        raise TypeError(f"{type(model).__name__} wraps another {type(inner).__name__}: wrap the model once")
     if isinstance(model, DistributedDataParallel):
         process_group, timeout = model.process_group, None
     else:
@@ -459,7 +466,7 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
         sampling_seed: int | None = int.from_bytes(state_digest[:8], "little") >> 1
     elif noise_seed is not None:
         fingerprint = ("seed", int(noise_seed))
-        sampling_seed = _derived_seed(int(noise_seed), _SAMPLING_KEY)
+        sampling_seed = derived_seed(int(noise_seed), _SAMPLING_KEY)
     else:
         fingerprint = ("none (secure mode)",) if secure_mode else ("none",)
         sampling_seed = None
@@ -598,300 +605,70 @@ def configure(dp_optimizer: Any, job: DistributedJob) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling
+# Opacus's names (privacy_engine.opacus looks them up here)
 # ---------------------------------------------------------------------------------------------
-def _check_rank(rank: Any, world_size: Any) -> tuple[int, int]:
-    world_size = _positive_int(world_size, "world_size")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}); got {rank!r}")
-    return int(rank), world_size
+def _current_job(process_group: Any, timeout: Timeout, wrapper: str) -> DistributedJob:
+    _require_initialized(wrapper)
+    return DistributedJob(process_group=process_group, rank=dist.get_rank(process_group),
+                          world_size=dist.get_world_size(process_group), timeout=_validated_timeout(timeout),
+                          wrapper=wrapper)  # fmt: skip
 
 
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, the same on every rank; got {seed!r}")
-    return int(seed)
+def _seed_from(generator: torch.Generator | None) -> int:
+    # From the generator's state (not a draw: the caller's generator is left as it is), else one
+    # draw from torch's global generator, as Opacus samples from it.
+    if generator is not None:
+        return int.from_bytes(hashlib.sha256(generator.get_state().numpy().tobytes()).digest()[:8], "little") >> 1
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _step_generator(seed: int, *key: int) -> torch.Generator:
-    # Counter-based streams: the draws of a step depend on (seed, key, step) only, never on how many
-    # draws came before, so ranks cannot drift apart (prefetching, an interrupted epoch) and
-    # resuming needs only the step counter.
-    return torch.Generator().manual_seed(_derived_seed(seed, *key))
+class DistributedDPOptimizer(DPOptimizer):
+    """Opacus's distributed optimizer, for scripts that build it by hand: a ``DPOptimizer`` whose
+    steps are global (``RankZeroNoise``: noise on rank 0, one all-reduce of clipped sums + noise).
 
-
-_LOCAL_STREAM = 1  # (_LOCAL_STREAM, rank, step): a rank's own draws from its shard
-_SHARED_STREAM = 2  # (_SHARED_STREAM, step): the draws every rank makes alike (truncated sampling)
-_GROUP_STREAM = 3  # (_GROUP_STREAM,): the cyclic group assignment
-
-
-class _DistributedSampler(_DPBatchSampler):
-    """Common parts: population, rank, the agreed seed and the state of the distributed samplers."""
-
-    kind = ""
-
-    def _setup(self, num_samples: int, sample_rate: float, rank: int, world_size: int, seed: int,
-               indices: Any) -> None:  # fmt: skip
-        self.num_samples = _positive_int(num_samples, "num_samples")
-        self.sample_rate = _validated_sample_rate(sample_rate)
-        self.rank, self.world_size = _check_rank(rank, world_size)
-        self.indices = _validated_indices(indices, self.num_samples)
-        self.seed = _check_seed(seed)
-
-    @property
-    def population(self) -> int:
-        """How many examples can be drawn, over all ranks (the index set's size)."""
-        return int(self.indices.numel())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The agreed seed and the next step: with counter-based streams, that is the whole state.
-        (The seed determines which examples were and will be sampled: keep it as secret as the data.)"""
-        return {"kind": self.kind, "num_samples": self.num_samples, "population": self.population,
-                "num_groups": self.num_groups, "rank": self.rank, "world_size": self.world_size,
-                "seed": self.seed, "next_step": self._next_step}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"kind": self.kind, "num_samples": self.num_samples, "population": self.population,
-                    "num_groups": self.num_groups, "rank": self.rank, "world_size": self.world_size}  # fmt: skip
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"sampling state has {key}={state.get(key)!r} but this sampler has {key}={value!r}: resume with "
-                    "the same dataset, grouping and number of ranks (load_distributed_state gives each rank its entry)"
-                )
-        self.set_seed(_check_seed(state["seed"]))
-        self._next_step = int(state["next_step"])
-
-    def set_seed(self, seed: int) -> None:
-        self.seed = _check_seed(seed)
-
-
-class DistributedPoissonBatchSampler(_DistributedSampler):
-    """Rank ``rank``'s part of one Poisson sample of the whole dataset.
-
-    Shard: every ``world_size``-th example of the index set (``indices``, default
-    ``range(num_samples)``), starting at position ``rank``. Each step includes every shard member
-    independently with the *global* rate ``sample_rate`` (float64 uniform < q), from a stream of
-    this rank's own: derived from ``(seed, rank, step)``, so give every rank the same ``seed``.
-
-    Guarantee: over the ranks, the shards partition the index set, so every example is on exactly
-    one rank, and the union of the ranks' batches at a step is a Poisson sample of the index set
-    with rate ``q``: each example in with probability q, independently of the others (the ranks'
-    streams are independent), of other steps and of the data. Which rank holds an example does
-    not matter for privacy: its inclusion probability is q wherever it is.
-
-    ``expected_batch_size`` is the *global* ``q * population`` (what the noisy sum is divided by);
-    ``local_expected_batch_size`` is this rank's ``q * len(shard)``.
-
-    ==================================  ==========================================
-    case                                result
-    ==================================  ==========================================
-    empty local batch                   yielded (zero-length through the loader)
-    world_size > population             ranks past the end have an empty shard
-    rank not in [0, world_size)         ValueError naming rank
-    sample_rate not in (0, 1]           ValueError naming sample_rate
-    ==================================  ==========================================
+    ``expected_batch_size`` is each rank's, as in Opacus: the summed gradient is divided by
+    ``expected_batch_size * world_size``. Accounting, sampling and the cross-rank settings check
+    are ``make_private``'s (prefer it); this class does none of them.
     """
 
-    kind = "poisson"
-    num_groups = 1
-    max_batch_size = None
-
-    def __init__(self, num_samples: int, sample_rate: float, *, rank: int, world_size: int, seed: int,
-                 steps: int | None = None, indices: Any = None) -> None:  # fmt: skip
-        self._setup(num_samples, sample_rate, rank, world_size, seed, indices)
-        default_steps = max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
-        self.shard = self.indices[self.rank :: self.world_size].clone()
-
-    @property
-    def groups(self) -> list[torch.Tensor]:
-        return [self.indices]
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self.sample_rate * self.population
-
-    @property
-    def local_expected_batch_size(self) -> float:
-        return self.sample_rate * self.shard.numel()
-
-    def _draw(self, step: int) -> tuple[list[int], None]:
-        generator = _step_generator(self.seed, _LOCAL_STREAM, self.rank, step)
-        return _bernoulli_members(self.shard, self.sample_rate, generator).tolist(), None
-
-    def __repr__(self) -> str:
-        return (f"DistributedPoissonBatchSampler(num_samples={self.num_samples}, population={self.population}, "
-                f"sample_rate={self.sample_rate}, rank={self.rank}, world_size={self.world_size}, steps={self.steps})")  # fmt: skip
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
+                 expected_batch_size: float | None, loss_reduction: str = "mean",
+                 generator: torch.Generator | None = None, secure_mode: bool = False, process_group: Any = None,
+                 timeout: Timeout = None, **kwargs: Any) -> None:  # fmt: skip
+        job = _current_job(process_group, timeout, "DistributedDPOptimizer")
+        if expected_batch_size is not None:
+            expected_batch_size = expected_batch_size * job.world_size
+        seed = None if secure_mode else _seed_from(generator)
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction, noise_seed=seed,
+                         secure_mode=secure_mode, **kwargs)  # fmt: skip
+        configure(self, job)
 
 
-class DistributedCyclicPoissonBatchSampler(_DistributedSampler):
-    """Rank ``rank``'s part of cyclic Poisson sampling over ``num_groups`` global groups.
+class DistributedUniformWithReplacementSampler(DistributedPoissonBatchSampler):
+    """Opacus's distributed Poisson sampler (its keyword arguments): this rank's part of one global
+    Poisson sample, see ``DistributedPoissonBatchSampler`` (rank and world size from the default
+    process group). ``shuffle``/``shuffle_seed`` are accepted and unused: the shards here are
+    strided, and which rank holds an example does not change its inclusion probability."""
 
-    Groups: as ``CyclicPoissonBatchSampler`` draws them (``public_size=False``: each example picks
-    its group uniformly and independently; ``True``: a permutation cut into equal parts), but from
-    a stream of ``seed`` alone, so every rank holding the same ``seed`` has the same global groups.
-    Step ``t`` samples group ``t mod b`` with rate ``sample_rate``.
-
-    Untruncated: this rank's part of a group is every ``world_size``-th member of it, starting at
-    ``rank``, Poisson-sampled from this rank's own stream (``(seed, rank, step)``).
-
-    Truncated (``max_batch_size``: the cap on the *global* batch, a multiple of ``world_size``;
-    each rank's batches have exactly ``max_batch_size / world_size`` entries): every rank draws
-    the same truncated Poisson sample of the whole group from the shared stream ``(seed, step)``
-    (Bernoulli draws, then a random subset of at most ``max_batch_size``, padded to exactly
-    ``max_batch_size``) and keeps its own slice of ``max_batch_size / world_size`` entries. The
-    union of the slices is exactly one single-process truncated sample, so the steps are accounted
-    as the single-process truncated event (group size, global cap). Why not let each rank truncate
-    its own draw: an example's privacy would then depend on the size of its own rank's part, which
-    changes when examples are added or removed, and the truncated epsilon is not monotone in that
-    size (dp-accounting, q = 0.1, cap 8, sigma 1, 100 steps: epsilon 14.0 / 24.0 / 17.0 at sizes
-    50 / 100 / 200), so no single size would bound every example.
-
-    Guarantee: at step ``t`` only members of global group ``t mod b`` appear on any rank; the
-    ranks' batches are disjoint and their union is one (truncated) Poisson sample of that group
-    with rate ``sample_rate``, independent of the data; the step counter runs on across epochs,
-    so an example's participations are at least ``b`` steps apart.
-
-    ==================================  ==========================================
-    case                                result
-    ==================================  ==========================================
-    num_groups = 1 with max_batch_size  truncated Poisson sampling
-    max_batch_size % world_size != 0    ValueError naming max_batch_size
-    num_groups > population             ValueError naming num_groups
-    empty group / draw                  empty batch (all padding when truncated)
-    ==================================  ==========================================
-    """
-
-    kind = "cyclic"
-
-    def __init__(self, num_samples: int, num_groups: int, sample_rate: float, *, rank: int, world_size: int,
-                 seed: int, steps: int | None = None, public_size: bool = False, max_batch_size: int | None = None,
-                 indices: Any = None) -> None:  # fmt: skip
-        self._setup(num_samples, sample_rate, rank, world_size, seed, indices)
-        self.num_groups = _positive_int(num_groups, "num_groups")
-        if self.num_groups > self.population:
-            raise ValueError(f"num_groups={self.num_groups} exceeds the {self.population} examples to sample from")
-        self.public_size = bool(public_size)
-        self.max_batch_size = None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
-        if self.max_batch_size is not None and self.max_batch_size % self.world_size:
-            raise ValueError(
-                f"max_batch_size={self.max_batch_size} (the cap on the global batch) must be a multiple of "
-                f"world_size={self.world_size}: every rank's batch holds max_batch_size / world_size entries"
-            )
-        default_steps = self.num_groups * max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
-        self.set_seed(self.seed)
-
-    def set_seed(self, seed: int) -> None:
-        """Take ``seed`` (the same on every rank) and draw the global groups from it."""
-        self.seed = _check_seed(seed)
-        generator = _step_generator(self.seed, _GROUP_STREAM)
-        population = self.population
-        if self.public_size:
-            permutation = self.indices[torch.randperm(population, generator=generator)]
-            self.groups = list(torch.tensor_split(permutation, self.num_groups))
-        else:
-            assignment = torch.randint(self.num_groups, (population,), generator=generator)
-            self.groups = [self.indices[assignment == group] for group in range(self.num_groups)]
-        self.local_groups = [group[self.rank :: self.world_size].clone() for group in self.groups]
-
-    @property
-    def local_batch_size(self) -> int | None:
-        """Entries of each of this rank's batches when truncated (None otherwise)."""
-        return None if self.max_batch_size is None else self.max_batch_size // self.world_size
-
-    @property
-    def expected_batch_size(self) -> float:
-        """Expected *global* number of real examples per step (before truncation)."""
-        return self.sample_rate * self.population / self.num_groups
-
-    def group_of_step(self, step: int) -> int:
-        return step % self.num_groups
-
-    def _draw(self, step: int) -> tuple[list[int], torch.Tensor | None]:
-        group = self.group_of_step(step)
-        if self.max_batch_size is None:
-            generator = _step_generator(self.seed, _LOCAL_STREAM, self.rank, step)
-            return _bernoulli_members(self.local_groups[group], self.sample_rate, generator).tolist(), None
-        members = self.groups[group]
-        generator = _step_generator(self.seed, _SHARED_STREAM, step)
-        chosen = _bernoulli_members(members, self.sample_rate, generator)
-        if chosen.numel() > self.max_batch_size:
-            chosen = chosen[torch.randperm(chosen.numel(), generator=generator)[: self.max_batch_size]]
-        real = torch.zeros(self.max_batch_size, dtype=torch.bool)
-        real[: chosen.numel()] = True
-        filler = int(members[0]) if members.numel() else int(self.indices[0])
-        padded = torch.full((self.max_batch_size,), filler, dtype=torch.long)
-        padded[: chosen.numel()] = chosen
-        width = self.local_batch_size
-        mine = slice(self.rank * width, (self.rank + 1) * width)
-        return padded[mine].tolist(), ~real[mine]
-
-    def __repr__(self) -> str:
-        return (f"DistributedCyclicPoissonBatchSampler(num_samples={self.num_samples}, num_groups={self.num_groups}, "
-                f"sample_rate={self.sample_rate}, rank={self.rank}, world_size={self.world_size}, steps={self.steps}, "
-                f"public_size={self.public_size}, max_batch_size={self.max_batch_size})")  # fmt: skip
+    def __init__(self, *, total_size: int, sample_rate: float, shuffle: bool = True, shuffle_seed: int = 0,
+                 steps: int | None = None, generator: torch.Generator | None = None) -> None:  # fmt: skip
+        job = _current_job(None, None, "DistributedUniformWithReplacementSampler")
+        super().__init__(total_size, sample_rate, rank=job.rank, world_size=job.world_size, seed=_seed_from(generator),
+                         steps=steps)  # fmt: skip
 
 
-class DistributedDPDataLoader(DPDataLoader):
-    """``DPDataLoader`` over this rank's part of a distributed Poisson / cyclic Poisson sample.
-
-    Build it with ``from_data_loader`` from the loader every rank passes (over the whole dataset,
-    ``batch_size`` = expected global batch). ``sample_rate`` and ``expected_batch_size`` are the
-    global ones; ``state_dict`` is this rank's sampling state (see ``distributed_state`` for the
-    whole job's).
-    """
-
-    distributed_job: DistributedJob | None = None
-
-    @classmethod
-    def from_data_loader(cls, loader: DataLoader, *, rank: int, world_size: int, seed: int,  # type: ignore[override]
-                         num_groups: int = 1, max_batch_size: int | None = None, public_size: bool = False,
-                         steps: int | None = None) -> DistributedDPDataLoader:  # fmt: skip
-        """Rank ``rank``'s private loader: ``q = batch_size / len(examples)`` (Poisson) or
-        ``p = num_groups * batch_size / len(examples)`` (cyclic; truncated with ``max_batch_size``,
-        the cap on the global batch). ``seed``: the same on every rank. The examples are the
-        dataset's, or a ``SubsetRandomSampler``'s (``sampling.loader_index_set``).
-
-        ============================  ===========================================
-        case                          result
-        ============================  ===========================================
-        dataset has no __len__        TypeError naming loader.dataset
-        loader.batch_size None        ValueError naming loader.batch_size
-        batch_size * num_groups > N   ValueError (the rate would exceed 1)
-        ============================  ===========================================
-        """
-        num_samples = _sized_dataset_length(loader)
-        batch_size = _expected_batch_size(loader)
-        num_groups = _positive_int(num_groups, "num_groups")
-        indices = loader_index_set(loader)
-        population = num_samples if indices is None else int(indices.numel())
-        if batch_size * num_groups > population:
-            raise ValueError(
-                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds the {population} examples the "
-                "loader draws from: the sample rate would exceed 1; lower batch_size or num_groups"
-            )
-        rate = batch_size * num_groups / population
-        if num_groups == 1 and max_batch_size is None:
-            sampler: _DPBatchSampler = DistributedPoissonBatchSampler(
-                num_samples, rate, rank=rank, world_size=world_size, seed=seed, steps=steps, indices=indices)  # fmt: skip
-        else:
-            sampler = DistributedCyclicPoissonBatchSampler(
-                num_samples, num_groups, rate, rank=rank, world_size=world_size, seed=seed, steps=steps,
-                public_size=public_size, max_batch_size=max_batch_size, indices=indices,
-            )  # fmt: skip
-        return cls(loader.dataset, sampler, **cls._loader_kwargs(loader))
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's sampling state as of the last yielded batch (seed, next step)."""
-        state = self.batch_sampler.state_dict()
-        state["next_step"] = self._consumed_steps
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.batch_sampler.load_state_dict(state)
-        self._consumed_steps = int(state["next_step"])
+def distributed_data_loader(data_loader: DataLoader, *, generator: torch.Generator | None = None,
+                            process_group: Any = None) -> DistributedDPDataLoader:  # fmt: skip
+    """This rank's distributed Poisson loader over ``data_loader``'s examples (Opacus's
+    ``DPDataLoader.from_data_loader(loader, distributed=True)``): ``q = batch_size / N`` with
+    ``batch_size`` the expected *global* batch. No communication: the ranks' streams are keyed by
+    rank, so they are independent whatever seeds the ranks hold."""
+    job = _current_job(process_group, None, "distributed_data_loader")
+    loader = DistributedDPDataLoader.from_data_loader(data_loader, rank=job.rank, world_size=job.world_size,
+                                                      seed=_seed_from(generator))  # fmt: skip
+    loader.distributed_job = job
+    return loader
 
 
 def distributed_state(data_loader: DistributedDPDataLoader) -> dict[str, Any]:
@@ -913,8 +690,10 @@ def distributed_state(data_loader: DistributedDPDataLoader) -> dict[str, Any]:
 
 
 def load_distributed_state(data_loader: DistributedDPDataLoader, state: dict[str, Any]) -> None:
-    """Restore this rank's entry of ``distributed_state`` (no communication). Raises, changing
-    nothing, if the job had another number of ranks or another dataset / grouping."""
+    """Restore this rank's entry of ``distributed_state``. Raises, changing nothing, if the job had
+    another number of ranks or another dataset / grouping. No communication, except with secure
+    truncated sampling: its shared seed is never saved, so the ranks agree on a fresh one from rank
+    0's OS randomness (call it on every rank)."""
     if not isinstance(data_loader, DistributedDPDataLoader):
         raise TypeError("data_loader must be the distributed loader make_private returned")
     sampler = data_loader.batch_sampler
@@ -922,7 +701,10 @@ def load_distributed_state(data_loader: DistributedDPDataLoader, state: dict[str
         raise ValueError("state is not a distributed_state() result")
     if int(state["world_size"]) != sampler.world_size:
         raise ValueError(
-            f"the checkpoint was taken with {state['world_size']} ranks; this job has {sampler.world_size}. Resume with "
-            "the same number of ranks (the shards and per-rank streams depend on it)."
+            f"the checkpoint was taken with {state['world_size']} ranks; this job has {sampler.world_size}. Resume "
+            "with the same number of ranks (the shards and per-rank streams depend on it)."
         )
     data_loader.load_state_dict(state["ranks"][sampler.rank])
+    if getattr(sampler, "secure", False) and sampler.max_batch_size is not None:
+        job = data_loader.distributed_job or _current_job(None, None, "load_distributed_state")
+        sampler.set_shared_seed(job.broadcast_int(_os_seed(), "agreeing on a fresh secure sampling seed"))

@@ -39,6 +39,7 @@ from accountants import (
 )
 from accountants.calibration import DEFAULT_TOLERANCE
 from privacy_engine import checkpoint, distributed
+from privacy_engine.budget import PrivacyBudget, budget_from, step_kwargs_of
 from privacy_engine.clip_factors import validate_max_grad_norm
 from privacy_engine.clipper import (
     CLIPPING_MODES,
@@ -191,6 +192,22 @@ class _TruncatedLedger:
     def step(self, **kwargs: Any) -> None:
         self.accountant.step(**kwargs, group_size=self.group_size, max_batch_size=self.max_batch_size)
 
+    # The "what if" questions the privacy budget asks (privacy_engine.budget) take the same step.
+    def _truncated(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**kwargs, "group_size": self.group_size, "max_batch_size": self.max_batch_size}
+
+    def history_if(self, **kwargs: Any) -> tuple:
+        return self.accountant.history_if(**self._truncated(kwargs))
+
+    def epsilon_if(self, delta: float, **kwargs: Any) -> float:
+        return self.accountant.epsilon_if(delta, **self._truncated(kwargs))
+
+    def would_exceed(self, max_epsilon: float, delta: float, **kwargs: Any) -> bool:
+        return self.accountant.would_exceed(max_epsilon, delta, **self._truncated(kwargs))
+
+    def steps_left(self, max_epsilon: float, delta: float, **kwargs: Any) -> int:
+        return self.accountant.steps_left(max_epsilon, delta, **self._truncated(kwargs))
+
     def __getattr__(self, name: str) -> Any:
         # Only ordinary attributes are forwarded: copy/pickle probe dunders before __init__ has run.
         if name.startswith("__") or name == "accountant":
@@ -255,8 +272,11 @@ class PrivacyEngine:
             empty ``accountants.Accountant`` with your settings, e.g.
             ``make_accountant("pld", value_discretization_interval=1e-3)`` (10x faster epsilon,
             slightly more pessimistic).
-        secure_mode: noise from OS entropy only (no seeds accepted), each value the sum of several
-            independently seeded draws; Poisson sampling seeded from OS entropy as well.
+        secure_mode: no seeds accepted; every sampling choice (Poisson inclusion, cyclic groups,
+            truncation) drawn from the OS's cryptographic generator (``secure_random``); noise from
+            generators whose whole state comes from the OS, each value the sum of four draws; no seed
+            or generator state in checkpoints. What it does not cover (floating-point attacks on
+            Gaussian sampling) and what to do about it: ``NoiseMechanism``'s docstring.
     """
 
     def __init__(self, accountant: str | Accountant = "pld", secure_mode: bool = False) -> None:
@@ -279,6 +299,10 @@ class PrivacyEngine:
         #: counts compared if ``num_bands`` was chosen automatically); None before any call.
         self.noise_plan: NoisePlan | None = None
         self._optimizers_made = 0
+        #: The privacy budget of the last ``make_private`` call (``max_epsilon``, ``target_delta``),
+        #: consulted by its optimizer before every release; None for none.
+        self.budget: PrivacyBudget | None = None
+        self._last_optimizer: DPOptimizer | None = None
 
     @property
     def num_bands(self) -> int | None:
@@ -311,6 +335,8 @@ class PrivacyEngine:
         max_batch_size: int | None = None,
         nan_safe: bool = True,
         rescale_to_unit_norm: bool = False,
+        target_delta: float | None = None,
+        max_epsilon: float | None = None,
     ) -> tuple:
         """Wrap ``model`` (``GradSampleModule``), ``optimizer`` (``DPOptimizer``) and ``loader``
         (``DPDataLoader``: Poisson sampling, or cyclic Poisson sampling for BandMF) for private
@@ -346,6 +372,10 @@ class PrivacyEngine:
         bandmf without total_steps / coefficients   ValueError naming total_steps
         max_batch_size < 1 / without Poisson        ValueError naming max_batch_size
         max_batch_size with the RDP accountant      NotImplementedError naming PLDAccountant
+        max_epsilon without target_delta            ValueError naming target_delta
+        target_delta without max_epsilon            ValueError naming max_epsilon
+        max_epsilon < 0 / NaN; target_delta not in  ValueError naming it
+        (0, 1)
         ==========================================  =============================================
 
         Args (ours, then Opacus's name where it differs):
@@ -399,7 +429,15 @@ class PrivacyEngine:
                 entries (``loader.padding_mask``) contribute zero after clipping, and the steps are
                 accounted as truncated Poisson sampling (PLD accountant only). DP-SGD or BandMF.
             nan_safe, rescale_to_unit_norm: see ``PerSampleGradientClipper``.
+            target_delta, max_epsilon: a privacy budget (``privacy_engine.budget``): the optimizer
+                raises ``PrivacyBudgetExceeded`` before any release that would take
+                ``get_epsilon(target_delta)`` past ``max_epsilon``, releasing and recording
+                nothing; ``engine.steps_left()`` says how many steps remain. Both or neither
+                (``max_epsilon=math.inf``: no budget).
         """
+        if target_delta is not None and max_epsilon is None:
+            raise ValueError("target_delta is the delta of a privacy budget: give max_epsilon too, or leave both out")
+        budget = budget_from(max_epsilon, target_delta)
         plan = self._plan(
             model=_pick("model", model, "module", module),
             optimizer=optimizer,
@@ -422,7 +460,7 @@ class PrivacyEngine:
             nan_safe=nan_safe,
             rescale_to_unit_norm=rescale_to_unit_norm,
         )
-        return self._build(plan)
+        return self._build(plan, budget=budget)
 
     def make_private_with_epsilon(
         self,
@@ -436,6 +474,7 @@ class PrivacyEngine:
         target_delta: float,
         epochs: int,
         max_grad_norm: float | Sequence[float],
+        max_epsilon: float | None = None,
         **kwargs: Any,
     ) -> tuple:
         """``make_private`` with the smallest noise multiplier that keeps the whole run within
@@ -465,6 +504,10 @@ class PrivacyEngine:
         target unreachable                  accountants.CalibrationError
         (every candidate b, when choosing)
         noise_multiplier also given         TypeError
+        a run longer than ``epochs``        the step that would pass max_epsilon
+                                            (default target_epsilon) raises
+                                            PrivacyBudgetExceeded, releasing nothing
+        max_epsilon=math.inf                no budget
         other arguments                     as ``make_private``
         ==================================  ======================================
         """
@@ -478,6 +521,7 @@ class PrivacyEngine:
             raise ValueError(f"target_delta must be in (0, 1), e.g. 1e-5 (below 1/dataset size); got {target_delta!r}")
         if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1; got {epochs!r}")
+        budget = budget_from(target_epsilon if max_epsilon is None else max_epsilon, target_delta)
         plan = self._plan(
             model=_pick("model", model, "module", module),
             optimizer=optimizer,
@@ -488,12 +532,42 @@ class PrivacyEngine:
             epochs=int(epochs),
             target=(target_epsilon, target_delta),
         )
-        return self._build(plan)
+        return self._build(plan, budget=budget)
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon of everything recorded so far at ``delta`` (the accountant's; ValueError naming
         delta unless 0 < delta < 1)."""
         return self.accountant.get_epsilon(delta)
+
+    def steps_left(
+        self, max_epsilon: float | None = None, delta: float | None = None, *, optimizer: DPOptimizer | None = None
+    ) -> int:
+        """How many more ordinary steps of ``optimizer`` (default: the last one made) keep
+        ``get_epsilon(delta) <= max_epsilon`` (defaults: this engine's budget).
+
+        Guarantee: as ``Accountant.steps_left``: that many steps fit and one more would not, as
+        the budget guard decides (truncated sampling included). Ordinary: one batch and one noise
+        row a step (``VirtualSteps`` accumulating several Poisson batches per release spends more).
+
+        ====================================  ==========================================
+        case                                  result
+        ====================================  ==========================================
+        no budget and max_epsilon/delta None  ValueError naming the missing one
+        nothing made private yet              ValueError: call make_private first
+        already over max_epsilon              0
+        ====================================  ==========================================
+        """
+        if optimizer is None:
+            optimizer = self._last_optimizer
+        if optimizer is None:
+            raise ValueError("steps_left needs a private optimizer: call make_private first (or pass optimizer=)")
+        if max_epsilon is None or delta is None:
+            if self.budget is None:
+                missing = "max_epsilon" if max_epsilon is None else "delta"
+                raise ValueError(f"steps_left needs {missing}: this engine has no budget (make_private(max_epsilon=...))")
+            max_epsilon = self.budget.max_epsilon if max_epsilon is None else max_epsilon
+            delta = self.budget.delta if delta is None else delta
+        return optimizer.accountant.steps_left(max_epsilon, delta, **step_kwargs_of(optimizer))
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's part of a checkpoint, as plain data: the privacy ledger (accountant kind,
@@ -812,6 +886,11 @@ class PrivacyEngine:
         if self.secure_mode:
             # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed).
             sampling_generator = SecureGenerator()
+        elif sampling_generator is None:
+            # The loader's own generator, seeded by one draw from torch's global one (torch.manual_seed still
+            # makes the run reproducible): its state can be checkpointed, and other draws from the global
+            # generator (every DataLoader iterator takes one) do not shift the batches, so a resume is exact.
+            sampling_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
         if distributed_job is not None:
             # Each rank samples its part of one global (cyclic) Poisson sample; collective (agrees on a seed).
             private_loader = distributed_job.private_loader(data_loader, num_groups=bands, max_batch_size=max_batch_size,
@@ -1056,7 +1135,7 @@ class PrivacyEngine:
         return tuple(candidates)
 
     # ------------------------------------------------------------------ building
-    def _build(self, plan: _Plan) -> tuple:
+    def _build(self, plan: _Plan, budget: PrivacyBudget | None = None) -> tuple:
         if plan.distributed is not None:
             # Every rank must plan the same mechanism: compared across ranks (collective), raising on all.
             distributed.agree(plan, accountant=self.accountant, secure_mode=self.secure_mode)
@@ -1093,6 +1172,7 @@ class PrivacyEngine:
             # Each optimizer of this engine is its own mechanism in the ledger (the first keeps "").
             source="" if self._optimizers_made == 0 else str(self._optimizers_made),
             per_user_clipping=False,
+            budget=budget,
         )
         self._optimizers_made += 1
         if plan.distributed is not None:
@@ -1101,6 +1181,7 @@ class PrivacyEngine:
         if isinstance(private_loader, DPDataLoader):
             dp_optimizer.attach_loader(private_loader)
         self.noise_plan = plan.noise_plan
+        self.budget, self._last_optimizer = budget, dp_optimizer
         # Wrapped last: its constructor hooks the model, and nothing after it can fail.
         if plan.grad_sample_mode == "no_op":
             from privacy_engine.manual_grad_sample import ManualGradSampleModule

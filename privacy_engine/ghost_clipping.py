@@ -422,9 +422,10 @@ class GhostClippingModule(GradSampleModule):
         plain_linear = type(layer) is nn.Linear
         safe_type = type(layer) in _OUTPUT_NOT_SAVED
         has_norm_form = norm_sampler is not None and sum_sampler is not None
-        norms = partial(norm_sampler, layer) if has_norm_form else None
-        sums = partial(sum_sampler, layer) if has_norm_form else None
-        grads = partial(sampler, layer)
+        # Norms, sums and materialised gradients in float32 at least (see _in_float32).
+        norms = _in_float32(partial(norm_sampler, layer)) if has_norm_form else None
+        sums = _in_float32(partial(sum_sampler, layer)) if has_norm_form else None
+        grads = _in_float32(partial(sampler, layer))
 
         def forward(*args, **kwargs):
             if self._inside_fallback or not (layer.training and torch.is_grad_enabled()):
@@ -678,7 +679,7 @@ class GhostClippingModule(GradSampleModule):
             # No norm-only form and large per-example gradients: reduce them to norms, free them, and
             # form the sum later from the kept inputs and output gradient.
             for param, _ in use.parts:
-                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].flatten(1), dim=1).square())
+                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].reshape(batch_size, -1), dim=1).square())
             del per_sample
             state.deferred.append((use, partial(_weighted_sum_by_materialising, use.grads), activations, grads))
             return
@@ -795,6 +796,29 @@ class GhostClippingModule(GradSampleModule):
             f"parameters {unknown} were trained but are not held by the clipper (unfrozen after "
             f"attach_clipper?); attach a clipper over every trainable parameter"
         )
+
+
+def _in_float32(function: Callable) -> Callable:
+    """``function(activations, grads, *rest)`` with half-precision floating tensors promoted to float32.
+
+    Under autocast (or for a model held in bf16/fp16) a layer's inputs and output gradient are half
+    precision. A per-example norm computed in bf16 is off by up to 2^-8 relative, so an example's
+    clipped contribution could exceed the clipping bound by that much; a clipped sum rounded to bf16
+    moves by an ulp of the whole batch's sum. Promoting the operands (kept in half precision until
+    this call, so memory does not grow) keeps norms and sums as exact as float32 makes them.
+    """
+
+    def promoted(activations, grads, *rest):
+        if _is_half(grads) or any(_is_half(a) for a in activations):
+            activations = tuple(a.float() if _is_half(a) else a for a in activations)
+            grads = grads.float() if _is_half(grads) else grads
+        return function(activations, grads, *rest)
+
+    return promoted
+
+
+def _is_half(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
 
 
 def _tensor_bytes(value) -> int:

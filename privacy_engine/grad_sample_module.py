@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from grad_samplers import grad_sampler_for, register_optional_samplers
+from grad_samplers import grad_sampler_for, norm_sampler_for, register_optional_samplers
 from grad_samplers.functorch_fallback import per_sample_forward, per_sample_forward_for
 from grad_samplers.registry import GradSampler
-from privacy_engine.step_contract import forget_wrapper, register_wrapper
+from privacy_engine.step_contract import BatchTicket, forget_wrapper, register_wrapper
 from privacy_engine.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -154,6 +154,9 @@ class GradSampleModule(nn.Module):
         self._check_state = "pending"  # -> "armed" at the first forward, "done" after the first backward
         self._check_sums: Dict[nn.Parameter, torch.Tensor] = {}
         self._check_magnitudes: Dict[nn.Parameter, float] = {}  # sum_i ||g_i||: the scale of rounding errors
+        self._check_term_scales: Dict[nn.Parameter, float] = {}  # ||sum |terms| ||: see _record_term_scales
+        self._check_dtypes: Dict[nn.Parameter, torch.dtype] = {}  # least precise dtype of the computation
+        self._check_autocast_dtype: Optional[torch.dtype] = None
         self._check_handles: List[torch.utils.hooks.RemovableHandle] = []
         try:
             for path, layer, sampler in self._plan(module):
@@ -324,7 +327,9 @@ class GradSampleModule(nn.Module):
     def _backward_done(self) -> None:
         self._backward_running = False
         if self._consumer is not None:
-            self._grad_sample_ticket = self._forward_ticket
+            # No wrapper forward since the last step (the inner module was called directly): an untracked
+            # batch, which the optimizer refuses to release when it has a private loader.
+            self._grad_sample_ticket = self._forward_ticket or BatchTicket(loader_step=None, size=0)
 
     def _note_input_batch(self, module: nn.Module, args, kwargs) -> None:
         """Forward pre-hook on the wrapped module: start a forward's batch bookkeeping."""
@@ -383,6 +388,19 @@ class GradSampleModule(nn.Module):
             f"{established[1]}. Give every input the same batch size (batch_first={self.batch_first})."
         )
 
+    def _check_called_through_wrapper(self, path: str) -> None:
+        """A training forward of a hooked layer must come through this wrapper's forward: otherwise the
+        model was called directly (a training framework holding the unwrapped model, e.g. a plain HF
+        Trainer), and that forward's batch is not the one the private loader drew and accounted for."""
+        if not self._in_forward and not self._released:
+            raise RuntimeError(
+                f"{module_label(path)} ran a training forward (training mode, gradients on) without going through "
+                f"its {type(self).__name__}: the wrapped model was called directly. Call the wrapper make_private "
+                f"returned (with Hugging Face Trainer, use privacy_engine.integrations.hf_trainer.DPTrainer, which "
+                f"also draws the batches the accountant records), or call model.eval() / torch.no_grad() for "
+                f"forwards that are not training steps."
+            )
+
     def _broadcast_activations(self, path: str, layer: nn.Module, args: tuple, batch_size: int) -> tuple:
         """A broadcast layer's inputs with their batch dimension of 1 expanded to ``batch_size`` (views):
         every example saw the same input."""
@@ -406,6 +424,7 @@ class GradSampleModule(nn.Module):
             return None
         if not any(p.requires_grad for p in layer.parameters(recurse=False)):
             return None
+        self._check_called_through_wrapper(path)
         broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
         if kwargs:
             bound = inspect.signature(layer.forward).bind(*args, **kwargs)
@@ -427,6 +446,8 @@ class GradSampleModule(nn.Module):
                     f"for each backward."
                 )
             held[0] = None  # free the inputs as soon as their backward has run
+            if self._check_state == "armed":
+                self._record_term_scales(layer, sampler, activations, backprops)
             self._layer_backward(path, layer, sampler, activations, backprops)
 
         if broadcast_to is not None:
@@ -464,7 +485,12 @@ class GradSampleModule(nn.Module):
             params = {name: p for name, p in named_params if p.requires_grad}
             if not params:
                 return original(*args, **kwargs)
-            return self._fallback_call(path, module, original, args, kwargs, params)
+            try:
+                return self._fallback_call(path, module, original, args, kwargs, params)
+            except RuntimeError as error:
+                if _is_function_without_vmap(error):
+                    raise UnsupportedModuleError(_function_without_vmap_message(path, module, error)) from error
+                raise
 
         module.forward = forward
         self._patched.append(module)
@@ -580,6 +606,9 @@ class GradSampleModule(nn.Module):
             handle.remove()
         trainable = [p for p in self._owner_paths if p.requires_grad]
         self._check_sums, self._check_magnitudes = {}, {}
+        self._check_term_scales, self._check_dtypes = {}, {}
+        # Ops under autocast ran in its dtype (bf16/fp16): the check's tolerance must follow it.
+        self._check_autocast_dtype = _autocast_dtype()
         # A hook on the leaf sees exactly the gradient this backward delivers. Diffing .grad against a
         # snapshot taken at forward time would break when gradients are zeroed between forward and
         # backward (optimizer.zero_grad() just before loss.backward()), and would copy every gradient.
@@ -589,15 +618,72 @@ class GradSampleModule(nn.Module):
     def _record_for_usage_check(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
         if not self._check_sums:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_usage_check)
-        total = grads.detach().sum(0)
+        grads = grads.detach()
+        self._note_check_dtype(param, grads.dtype)
+        # Summed in float32 at least: a half-precision sum would add its own rounding to the comparison.
+        total = grads.sum(0, dtype=_at_least_float32(grads.dtype))
         if self.loss_reduction == "mean":
             total = total / batch_size
         previous = self._check_sums.get(param)
         self._check_sums[param] = total if previous is None else previous + total
-        magnitude = float(grads.detach().flatten(1).norm(dim=1).sum())
+        # reshape, not flatten(1): a 0-dim parameter's per-sample gradients are 1-D.
+        per_example = grads.reshape(grads.shape[0], param.numel())
+        magnitude = float(torch.linalg.vector_norm(per_example, dim=1, dtype=_at_least_float32(grads.dtype)).sum())
         if self.loss_reduction == "mean":
             magnitude /= max(batch_size, 1)
         self._check_magnitudes[param] = self._check_magnitudes.get(param, 0.0) + magnitude
+
+    def _note_check_dtype(self, param: nn.Parameter, dtype: torch.dtype) -> None:
+        """Keep the least precise floating dtype a parameter's per-sample computation went through."""
+        if not dtype.is_floating_point:
+            return
+        previous = self._check_dtypes.get(param)
+        if previous is None or torch.finfo(dtype).eps > torch.finfo(previous).eps:
+            self._check_dtypes[param] = dtype
+
+    def _record_term_scales(self, layer: nn.Module, sampler: GradSampler, activations: tuple, backprops: torch.Tensor) -> None:
+        """For the first-backward check: the size of the terms each per-sample gradient sums.
+
+        A per-sample gradient sums products of output gradients and inputs over positions; when they
+        cancel (a conv bias followed by InstanceNorm: the normalisation removes every per-channel
+        shift, so the exact gradient is 0), the computed sum is pure rounding, of the order of
+        ``eps * sum |terms|``, however small the sum itself. The same sampler evaluated on ``|inputs|``
+        and ``|output gradient|`` gives ``sum |terms|`` (exactly for linear maps, convolutions and
+        embeddings; in order of magnitude for normalisation layers), through its cheap norm form.
+        """
+        if self._batch_dim != 0:
+            backprops = backprops.movedim(self._batch_dim, 0)
+            activations = tuple(
+                a.movedim(self._batch_dim, 0) if isinstance(a, torch.Tensor) and a.dim() > self._batch_dim else a
+                for a in activations
+            )
+        if backprops.shape[0] == 0:
+            return
+        floating = [a for a in activations if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        trainable = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        for param in trainable:
+            for tensor in (backprops, *floating):
+                self._note_check_dtype(param, tensor.dtype)
+        absolute = tuple(a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in activations)
+        norm_sampler = norm_sampler_for(layer)
+        with torch.no_grad():
+            try:
+                if norm_sampler is not None:
+                    scales = {
+                        p: squared.to(_at_least_float32(squared.dtype)).clamp(min=0).sqrt()
+                        for p, squared in norm_sampler(layer, absolute, backprops.abs()).items()
+                    }
+                else:
+                    scales = {
+                        p: torch.linalg.vector_norm(
+                            grads.reshape(grads.shape[0], p.numel()), dim=1, dtype=_at_least_float32(grads.dtype)
+                        )
+                        for p, grads in sampler(layer, absolute, backprops.abs()).items()
+                    }
+            except Exception:  # noqa: BLE001  (a sampler that rejects these values: no term scale, the check stays strict)
+                return
+        for param, per_example in scales.items():
+            self._check_term_scales[param] = self._check_term_scales.get(param, 0.0) + float(per_example.sum())
 
     def _verify_parameter(self, param: nn.Parameter, received: torch.Tensor) -> None:
         if self._check_state != "armed":
@@ -614,11 +700,25 @@ class GradSampleModule(nn.Module):
                 f"module instead of reading its parameter directly (or move the computation into a "
                 f"module that owns the parameter)."
             )
-        tolerance = 1e-3 if received.dtype in (torch.float32, torch.float64) else 3e-2
+        # The least precise dtype the gradient went through: the parameter's, its per-sample
+        # computation's, or autocast's (bf16/fp16 autocast computes in half precision what a float32
+        # parameter receives).
+        dtypes = [received.dtype, self._check_dtypes.get(param, received.dtype)]
+        if self._check_autocast_dtype is not None:
+            dtypes.append(self._check_autocast_dtype)
+        eps = max(torch.finfo(d).eps if d.is_floating_point else 0.0 for d in dtypes)
         # Relative to the per-sample magnitudes, not only to the result: when examples' gradients
-        # cancel, the rounding of their sum is far larger than the (near-zero) sum itself.
+        # cancel, the rounding of their sum is far larger than the (near-zero) sum itself. 1e-3 is far
+        # above float32 rounding and far below what a second use of a parameter adds; half precision
+        # rounds each product to 2^-8 (bf16), so its bound grows with eps.
+        tolerance = max(1e-3, 4 * eps)
+        # Plus the rounding of sums that cancel within an example (see _record_term_scales): at most a
+        # few units of rounding (log2 of the number of terms, for float32 blocked sums) of sum |terms|.
+        term_tolerance = max(32 * torch.finfo(torch.float32).eps, 2 * eps)
         scale = max(float(received.norm()), float(explained.norm()), self._check_magnitudes.get(param, 0.0))
-        if float((received - explained).norm()) > tolerance * scale + 1e-12:
+        term_scale = self._check_term_scales.get(param, 0.0)  # from the unscaled output gradients: as received
+        difference = float(torch.linalg.vector_norm(received - explained.to(received.dtype), dtype=_at_least_float32(received.dtype)))
+        if difference > tolerance * scale + term_tolerance * term_scale + 1e-12:
             self._check_state = "done"
             raise ParameterUsageError(
                 f"parameter {name!r}: its gradient is not the sum of its per-sample gradients computed in "
@@ -631,6 +731,7 @@ class GradSampleModule(nn.Module):
             handle.remove()
         self._check_handles = []
         self._check_sums, self._check_magnitudes = {}, {}
+        self._check_term_scales, self._check_dtypes = {}, {}
         if self._check_state == "armed":
             self._check_state = "done"
 
@@ -687,6 +788,43 @@ def _input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
         return None
     return ranked[0][0]
+
+
+def _is_function_without_vmap(error: RuntimeError) -> bool:
+    """torch's errors for a custom ``autograd.Function`` that ``vmap`` cannot run."""
+    message = str(error)
+    return ("autograd.Function" in message and "setup_context" in message) or "does not have vmap support" in message
+
+
+def _function_without_vmap_message(path: str, module: nn.Module, error: RuntimeError) -> str:
+    kind = type(module).__name__
+    return (
+        f"{module_label(path)} ({kind}) has no grad sampler, so its per-sample gradients come from torch.func "
+        f"(its forward under vmap), and its forward calls a custom torch.autograd.Function that vmap cannot "
+        f"run ({error}). Either give that Function vmap support: a forward without ctx plus a setup_context "
+        f"staticmethod, and generate_vmap_rule = True or a vmap staticmethod "
+        f"(https://pytorch.org/docs/stable/notes/extending.func.html); or register a grad sampler for {kind} "
+        f"(grad_samplers.register_grad_sampler({kind}))."
+    )
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
+
+
+def _autocast_dtype() -> Optional[torch.dtype]:
+    """The dtype autocast computes in right now (the least precise of the enabled devices), or None."""
+    found = None
+    for device_type in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except (TypeError, RuntimeError):  # older torch: no per-device query, or an unknown device type
+            continue
+        if enabled:
+            dtype = torch.get_autocast_dtype(device_type)
+            if found is None or torch.finfo(dtype).eps > torch.finfo(found).eps:
+                found = dtype
+    return found
 
 
 def _expand_batch(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:

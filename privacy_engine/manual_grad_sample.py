@@ -54,7 +54,7 @@ class ManualGradSampleModule(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"ManualGradSampleModule wraps an nn.Module; got {type(module).__name__}")
         if isinstance(module, (GradSampleModule, ManualGradSampleModule)):
-            raise ValueError("module is already wrapped; pass the original module")
+            raise TypeError("module is already wrapped; pass the original module")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
         super().__init__()

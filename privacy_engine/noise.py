@@ -293,6 +293,7 @@ class NoiseMechanism(abc.ABC):
             "step": self._step,
             "secure_mode": self.secure_mode,
             "seed": self._seed,
+            "layout_restarts": self._layout_restarts,
             "signature": signature,
             "devices": devices,
             **self._extra_state(),
@@ -310,6 +311,7 @@ class NoiseMechanism(abc.ABC):
         devices = state["devices"]
         # Everything validated: from here on the state is changed.
         self._seed = state["seed"]
+        self._layout_restarts = int(state.get("layout_restarts", 0))
         self._step = int(state["step"])
         self._load_extra_state(state)
         if self._groups:
@@ -322,6 +324,30 @@ class NoiseMechanism(abc.ABC):
         else:
             self._pending_devices = list(devices) if devices else None
             self._pending_signature = state["signature"] if devices else None
+
+    def reseed(self, seed: int | None = None) -> None:
+        """Continue with new generators: the next noise is fresh, history and ring position stay.
+
+        For a resume that is not exact (a checkpoint restored without the loader's state, or saved
+        while a drawn batch was not yet released): the saved generators would produce the noise the
+        interrupted run added, or was about to add, to other batches, and the same noise on two
+        different batches reveals the difference of their gradients. Guarantee: every generator is
+        replaced by a new one seeded from ``seed`` (``None``: a draw from torch's global generator
+        other than the current seed); secure mode: from OS entropy (a ``seed`` raises ValueError).
+        """
+        if self.secure_mode and seed is not None:
+            raise ValueError("seed must be None when secure_mode=True: secure mode draws its generators from the OS")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        if not self.secure_mode:
+            previous = self._seed
+            self._seed = int(seed) if seed is not None else _global_generator_seed()
+            while seed is None and self._seed == previous:
+                self._seed = _global_generator_seed()
+        for device_index, group in enumerate(self._groups):
+            group.generators = self._new_generators(group.device, device_index)
+        if self._pending_devices is not None:
+            self._pending_devices = [dict(device, generator_states=None) for device in self._pending_devices]
 
     def check_state_dict(self, state: Any, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Raise ``ValueError`` naming the first problem (and what to do) unless
@@ -368,6 +394,9 @@ class NoiseMechanism(abc.ABC):
             raise ValueError("a secure-mode noise state must not hold a seed; this one does (it was altered)")
         if not self.secure_mode and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"noise state's seed must be an int >= 0; got {seed!r}")
+        restarts = state.get("layout_restarts", 0)
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"noise state's layout_restarts must be an int >= 0; got {restarts!r}")
         self._check_extra_state(state)
         devices = state["devices"]
         if not isinstance(devices, list):
@@ -665,7 +694,7 @@ class NoiseMechanism(abc.ABC):
     def _restore_devices(self, devices: list[dict[str, Any]]) -> None:
         for device_index, (saved, group) in enumerate(zip(devices, self._groups)):
             if saved["generator_states"] is None:
-                # Secure mode: no state was saved; new OS-seeded generators continue the run.
+                # Secure mode (no state is saved) or reseed(): new generators continue the run.
                 group.generators = self._new_generators(group.device, device_index)
             else:
                 for generator, generator_state in zip(group.generators, saved["generator_states"]):

@@ -88,6 +88,8 @@ class DPOptimizer(Optimizer):
         sample_rate: the sampling probability recorded with each step (needed with an accountant).
         padding_mask_source: callable giving the padding mask of the batch being clipped (the
             engine passes ``lambda: loader.padding_mask``); ``None`` for no padding.
+        budget: a ``privacy_engine.budget.PrivacyBudget`` (needs an accountant): each release is
+            checked against it first and refused with ``PrivacyBudgetExceeded``; ``None``: none.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class DPOptimizer(Optimizer):
         padding_mask_source: Callable[[], torch.Tensor | None] | None = None,
         source: str = "",
         per_user_clipping: bool = True,
+        budget: Any | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -158,6 +161,8 @@ class DPOptimizer(Optimizer):
             accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=num_bands)
         if padding_mask_source is not None and not callable(padding_mask_source):
             raise TypeError("padding_mask_source must be a callable returning a bool tensor or None")
+        if budget is not None and (accountant is None or not callable(getattr(budget, "check_release", None))):
+            raise ValueError("budget must be a privacy_engine.budget.PrivacyBudget, and needs an accountant to check")
 
         # Optimizer.__init__ would build new param_groups; the wrapped optimizer's are used
         # instead, so only the hook tables it sets up are created here.
@@ -195,7 +200,7 @@ class DPOptimizer(Optimizer):
         #: all-reduce hooks in here (privacy_engine.distributed).
         self.reduce_clipped_sums: Callable[[list[torch.Tensor]], None] | None = None
         #: A privacy budget consulted before every release (privacy_engine.budget); None for none.
-        self.budget: Any | None = None
+        self.budget: Any | None = budget
         self._all_params = [p for group in optimizer.param_groups for p in group["params"]]
         self._grad_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (id(.grad), version) we left
         register_optimizer(self)
@@ -405,6 +410,8 @@ class DPOptimizer(Optimizer):
             raise
         self.steps_taken += 1
         self.contract.released(release, loader_step)
+        for module in self.contract.modules:
+            module._forward_ticket = None  # a later backward must come from a new forward
         if self.accountant is not None:
             # Every released step is recorded, an empty batch's too: its noise was drawn for a
             # batch that could have held any example.
@@ -542,7 +549,7 @@ class DPOptimizer(Optimizer):
         ==============================================  ==================================
         not a dict / no DP state                        the missing part
         number of param groups / parameters per group   the group
-        hyperparameter keys of the groups differ        the keys (another optimizer class)
+        a hyperparameter of this class missing          the keys (another optimizer class)
         per-parameter state for an unknown index, or    the parameter index and state key
         a tensor of another shape than the parameter
         noise state (mechanism, layout, generators)     see NoiseMechanism.check_state_dict
@@ -567,10 +574,13 @@ class DPOptimizer(Optimizer):
                     f"the optimizer state's param group {index} has {len(saved['params'])} parameters, this "
                     f"optimizer's has {len(group['params'])}: make the same parameters private as in the saved run"
                 )
-            if set(saved) != set(group):
+            # Every hyperparameter of this optimizer's class must be there (extra keys, such as an LR
+            # scheduler's initial_lr, are fine).
+            lacking = sorted(set(self.original_optimizer.defaults) - set(saved))
+            if lacking:
                 raise ValueError(
-                    f"the optimizer state's param group {index} has settings {sorted(set(saved) - {'params'})}, "
-                    f"this optimizer's has {sorted(set(group) - {'params'})}: another optimizer class was saved"
+                    f"the optimizer state's param group {index} lacks {lacking}, which this "
+                    f"{type(self.original_optimizer).__name__} has: another optimizer class was saved"
                 )
         saved_ids = [i for saved in saved_groups for i in saved["params"]]
         position = {saved_id: n for n, saved_id in enumerate(saved_ids)}

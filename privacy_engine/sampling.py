@@ -460,7 +460,7 @@ def _sampling_generator_state(generator: torch.Generator | None) -> tuple[str, t
     if is_secure_generator(generator):
         return "secure", None
     if generator is None:
-        return "global", torch.get_rng_state()
+        return "global", None
     return "own", generator.get_state()
 
 
@@ -666,9 +666,11 @@ class DPDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """Sampler state as of the last yielded batch: ``next_step``, cyclic groups, and the
         sampling generator: ``generator`` is ``"own"``, ``"global"`` (torch's global generator) or
-        ``"secure"``, ``generator_state`` its ``get_state()`` (None in secure mode: it draws from
-        the OS and has no state). With worker processes prefetching, the generator may already be
-        past the last yielded batch: a resume then samples validly but not the same batches."""
+        ``"secure"``; ``generator_state`` is its ``get_state()`` for ``"own"``, else None (secure
+        sampling draws from the OS and has no state; the global generator is shared with other code,
+        e.g. every DataLoader iterator draws from it, so it cannot be resumed exactly). With worker
+        processes prefetching, the generator may already be past the last yielded batch: a resume
+        then samples validly but not the same batches."""
         sampler = self.batch_sampler
         if isinstance(sampler, CyclicPoissonBatchSampler):
             state = sampler.state_dict()
@@ -679,25 +681,22 @@ class DPDataLoader(DataLoader):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``. A ``"global"`` state sets torch's global generator
-        (``torch.set_rng_state``), as sampling from it continues exactly that way. Raises
-        ``ValueError`` (changing nothing) if the generator kind or state does not fit."""
+        """Restore ``state_dict()``. Raises ``ValueError`` (changing nothing) if the generator kind
+        or state does not fit this loader's."""
         sampler = self.batch_sampler
         kind, _ = _sampling_generator_state(sampler.generator)
         saved = state.get("generator_state")
-        if state.get("generator") != kind or (kind != "secure") != isinstance(saved, torch.Tensor):
+        if state.get("generator") != kind or (kind == "own") != isinstance(saved, torch.Tensor):
             raise ValueError(
                 f"the loader state's sampling generator is {state.get('generator')!r}, this loader's is {kind!r}: "
                 "build the loader with the same secure_mode / generator settings as the saved one"
             )
-        if kind != "secure" and (saved.dtype != torch.uint8 or saved.shape != torch.get_rng_state().shape):
+        if kind == "own" and (saved.dtype != torch.uint8 or saved.shape != sampler.generator.get_state().shape):
             raise ValueError("the loader state's generator_state is not a CPU generator state")
         if isinstance(sampler, CyclicPoissonBatchSampler):
             sampler.load_state_dict(state)
         if kind == "own":
             sampler.generator.set_state(saved)
-        elif kind == "global":
-            torch.set_rng_state(saved)
         self._consumed_steps = int(state["next_step"])
         sampler._next_step = self._consumed_steps
 

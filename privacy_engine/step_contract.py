@@ -309,6 +309,8 @@ class StepContract:
         self._slice_end: int | None = None  # rows of `current`'s draw used so far by consecutive slices
         self._version_snapshot: tuple[int, ...] | None = None
         self._last_input: weakref.ref | None = None
+        # Draws already released (a few recent ones suffice: a draw is only ever reused by the same loop).
+        self._released_draws: collections.deque = collections.deque(maxlen=64)
         self.last_released_step: int | None = None
 
     # ---------------------------------------------------------------------------------------- wiring
@@ -454,6 +456,13 @@ class StepContract:
                 continue
             draws.setdefault(id(ticket.draw), ticket)
         ordered = tuple(sorted(draws.values(), key=lambda t: t.loader_step))
+        for ticket in ordered:
+            if any(ticket.draw is done for done in self._released_draws):
+                raise RuntimeError(
+                    f"the batch of loader step {ticket.loader_step} was already released by an earlier step: a second "
+                    f"release of the same draw is not a fresh sample, and the accounting assumes one. Draw a new batch "
+                    f"for every optimizer.step()."
+                )
         return Release(draws=ordered, untracked=untracked)
 
     def take_unused_draw(self) -> BatchTicket | None:
@@ -469,6 +478,7 @@ class StepContract:
         """Forget the open step's contributions after a release (or a discarded logical step)."""
         self._contributions = []
         self._version_snapshot = None
+        self._released_draws.extend(ticket.draw for ticket in release.draws)
         if loader_step is not None:
             self.last_released_step = loader_step
 

@@ -6,8 +6,11 @@ attached, so a model that fails them is left exactly as it was.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 
 class UnsupportedModuleError(ValueError):
@@ -27,33 +30,90 @@ def batchnorm_problem(path: str, module: nn.Module) -> str:
     )
 
 
-def find_problems(model: nn.Module) -> list[str]:
-    """Every reason this model cannot be wrapped, one line per offending module."""
-    problems: list[str] = []
-    for path, module in model.named_modules():
-        if isinstance(module, _BatchNorm) and module.training:
-            problems.append(batchnorm_problem(path, module))
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-            if module.max_norm is not None:
-                problems.append(
-                    f"{module_label(path)} is {type(module).__name__}(max_norm={module.max_norm}): it renormalises "
+@dataclass(frozen=True)
+class Problem:
+    """One reason a module cannot be trained privately as it is.
+
+    ``kind`` (Opacus's error classes): ``"replace"`` (replace the module: ``fix_module`` does),
+    ``"configuration"`` (a setting to change: ``fix_module`` does where that keeps the model's meaning),
+    ``"unsupportable"`` (no per-sample gradient exists), ``"not_yet_supported"``. ``blocking``: wrapping
+    refuses the model (False: it trains, but something about it is not private, see the message).
+    """
+
+    path: str
+    kind: str
+    message: str
+    blocking: bool = True
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def module_problems(path: str, module: nn.Module) -> list[Problem]:
+    """Every problem of ``module`` itself (not its children), labelled with ``path``."""
+    problems: list[Problem] = []
+    label = module_label(path)
+    kind = type(module).__name__
+    if isinstance(module, _BatchNorm) and module.training:
+        problems.append(Problem(path, "replace", batchnorm_problem(path, module)))
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        problems.append(
+            Problem(
+                path,
+                "configuration",
+                f"{label} is {kind}(track_running_stats=True): training updates its running statistics from the "
+                f"batch's examples without noise, and eval mode uses them, so a released model leaks them. "
+                f"Construct it with track_running_stats=False (fix_module does).",
+                blocking=False,
+            )
+        )
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        if module.max_norm is not None:
+            problems.append(
+                Problem(
+                    path,
+                    "unsupportable",
+                    f"{label} is {kind}(max_norm={module.max_norm}): it renormalises "
                     f"its weight in place during forward, which per-sample gradients cannot follow. "
-                    f"Construct it with max_norm=None."
+                    f"Construct it with max_norm=None.",
                 )
-            if module.scale_grad_by_freq:
-                problems.append(
-                    f"{module_label(path)} is {type(module).__name__}(scale_grad_by_freq=True): the scaling uses "
+            )
+        if module.scale_grad_by_freq:
+            problems.append(
+                Problem(
+                    path,
+                    "configuration",
+                    f"{label} is {kind}(scale_grad_by_freq=True): the scaling uses "
                     f"word counts over the whole batch, so one example's gradient depends on the others. "
-                    f"Construct it with scale_grad_by_freq=False."
+                    f"Construct it with scale_grad_by_freq=False.",
                 )
-            if isinstance(module, nn.EmbeddingBag) and module.mode == "max":
-                problems.append(
-                    f"{module_label(path)} is EmbeddingBag(mode='max'): no per-sample gradient sampler "
-                    f"supports it. Use mode='sum' or mode='mean'."
+            )
+        if isinstance(module, nn.EmbeddingBag) and module.mode == "max":
+            problems.append(
+                Problem(
+                    path,
+                    "not_yet_supported",
+                    f"{label} is EmbeddingBag(mode='max'): no per-sample gradient sampler "
+                    f"supports it. Use mode='sum' or mode='mean'.",
                 )
-            if module.sparse:
-                problems.append(
-                    f"{module_label(path)} is {type(module).__name__}(sparse=True): sparse gradients are not "
-                    f"supported. Construct it with sparse=False."
+            )
+        if module.sparse:
+            problems.append(
+                Problem(
+                    path,
+                    "configuration",
+                    f"{label} is {kind}(sparse=True): sparse gradients are not "
+                    f"supported. Construct it with sparse=False.",
                 )
+            )
     return problems
+
+
+def find_all_problems(model: nn.Module) -> list[Problem]:
+    """Every problem of every module of ``model``, blocking or not, in module order."""
+    return [problem for path, module in model.named_modules() for problem in module_problems(path, module)]
+
+
+def find_problems(model: nn.Module) -> list[str]:
+    """Every reason this model cannot be wrapped, one line per offending module problem."""
+    return [problem.message for problem in find_all_problems(model) if problem.blocking]

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from privacy_engine.optimizer import DPOptimizer
+from privacy_engine.step_contract import find_ticket, tag_batch
 
 __all__ = ["BatchMemoryManager", "VirtualSteps", "batch_size_of", "split_batch"]
 
@@ -147,9 +148,15 @@ class VirtualSteps:
         try:
             for batch in self.data_loader:
                 padding_mask = getattr(self.data_loader, "padding_mask", None)
+                ticket = find_ticket(batch)
                 pieces = split_batch(batch, self.max_physical_batch_size)
                 for index, (start, end, micro_batch) in enumerate(pieces):
                     last = index == len(pieces) - 1
+                    if ticket is not None:
+                        # Each micro-batch carries its slice of the drawn batch's ticket (its rows of
+                        # the padding mask), so the step contract clips it on its own, as one draw.
+                        tag_batch(micro_batch, ticket.slice(start, end))
+                        padding_mask = ticket.padding_mask
                     self._micro_padding_mask = None if padding_mask is None else padding_mask[start:end]
                     self.optimizer.signal_skip_step(not last)
                     open_logical_step = not last

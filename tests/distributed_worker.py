@@ -1,6 +1,9 @@
 """One rank of the 2-process job that tests/test_distributed.py spawns (gloo on 127.0.0.1).
 
-    python tests/distributed_worker.py RANK WORLD_SIZE PORT OUT_DIR
+    python tests/distributed_worker.py RANK WORLD_SIZE OUT_DIR
+
+(rendezvous through a file store in OUT_DIR: no fixed port; gloo itself connects over loopback
+when the test sets GLOO_SOCKET_IFNAME=lo).
 
 Runs every scenario in order (they share one process group, so the expensive start-up happens
 once) and writes what each rank saw to OUT_DIR/rank{RANK}.pt (plain types only: the test loads
@@ -10,9 +13,12 @@ The last scenarios break the process group on purpose (a stalled rank, then a ra
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.monotonic()  # before the imports: start-up time is part of what the job costs
+
 import datetime
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -25,9 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from accountants import make_accountant  # noqa: E402
-from privacy_engine import PrivacyEngine  # noqa: E402
-from privacy_engine.distributed import (  # noqa: E402
+from accountants import make_accountant
+from privacy_engine import BatchMemoryManager, PrivacyEngine
+from privacy_engine.distributed import (
     DifferentiallyPrivateDistributedDataParallel,
     DistributedSettingsError,
     DistributedStepError,
@@ -96,12 +102,58 @@ def equivalence(rank: int, mode: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     made = engine_pld().make_private(
         module=DistributedDataParallel(model), optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
-        max_grad_norm=0.3, grad_sample_mode=mode, noise_seed=11,
+        max_grad_norm=0.3, grad_sample_mode=mode, noise_seed=0,
     )
     wrapped, dp_optimizer, private_loader = made[0], made[1], made[-1]
     record = train(wrapped, dp_optimizer, private_loader, 6)
     record.update(initial=initial, expected_batch_size=dp_optimizer.expected_batch_size,
                   wrapped=type(wrapped).__name__)
+    return record
+
+
+def virtual(rank: int) -> dict:
+    """As ``equivalence`` (hooks), each local batch cut into micro-batches of at most 1 example."""
+    model = mlp()
+    initial = flat(model)
+    loader = DataLoader(IndexedData(40, 5), batch_size=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    wrapped, dp_optimizer, private_loader = engine_pld().make_private(
+        module=DistributedDataParallel(model), optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=0.3, noise_seed=0,
+    )
+    record = {"indices": [], "params": []}
+    criterion = nn.CrossEntropyLoss()
+    with BatchMemoryManager(data_loader=private_loader, max_physical_batch_size=1, optimizer=dp_optimizer) as batches:
+        current: list[int] = []
+        for features, labels, indices in batches:
+            dp_optimizer.zero_grad()
+            criterion(wrapped(features), labels).backward()
+            released = dp_optimizer.steps_taken
+            dp_optimizer.step()
+            current += indices.tolist()
+            if dp_optimizer.steps_taken > released:  # the last micro-batch of its logical batch
+                record["indices"].append(current)
+                record["params"].append(flat(model))
+                current = []
+            if len(record["params"]) == 6:
+                break
+    record["initial"] = initial
+    return record
+
+
+def opacus_names(rank: int) -> dict:
+    """A script that builds the pieces by hand under Opacus's names."""
+    from privacy_engine import GradSampleModule
+    from privacy_engine.distributed import DistributedDPOptimizer, distributed_data_loader
+
+    model = DifferentiallyPrivateDistributedDataParallel(mlp())
+    wrapped = GradSampleModule(model)
+    optimizer = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                                       max_grad_norm=1.0, expected_batch_size=4)  # fmt: skip
+    loader = distributed_data_loader(DataLoader(IndexedData(40, 5), batch_size=8))
+    record = train(wrapped, optimizer, loader, 3)
+    record["expected_batch_size"] = optimizer.expected_batch_size
+    record["sample_rate"] = loader.sample_rate
     return record
 
 
@@ -119,7 +171,7 @@ def noisy(rank: int) -> dict:
     )
     record = train(wrapped, optimizer, private_loader, 5, zero_loss=True)
     record.update(initial=initial, epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps,
-                  sample_rate=optimizer.sample_rate, communication_seconds=optimizer.distributed_job.communication_seconds)
+                  sample_rate=optimizer.sample_rate)
     return record
 
 
@@ -156,7 +208,7 @@ def bandmf(rank: int) -> dict:
     sampler = private_loader.batch_sampler
     record.update(
         initial=initial, epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps,
-        sample_rate=optimizer.sample_rate, coefficients=list(optimizer.noise.coefficients),
+        sample_rate=optimizer.sample_rate, coefficients=[float(c) for c in optimizer.noise.coefficients],
         groups=[g.tolist() for g in sampler.groups], local_groups=[g.tolist() for g in sampler.local_groups],
     )
     return record
@@ -261,17 +313,17 @@ def alias(rank: int) -> dict:
 
 
 def stalled(rank: int) -> dict:
-    """A subgroup job whose rank 1 stops calling step(): rank 0 must fail within the 2 s timeout."""
+    """A subgroup job whose rank 1 stops calling step(): rank 0 must fail within the 1.5 s timeout."""
     group = dist.new_group([0, 1], backend="gloo")
     model = mlp()
     wrapped, optimizer, private_loader = PrivacyEngine().make_private(
-        module=DifferentiallyPrivateDistributedDataParallel(model, process_group=group, timeout=2.0),
+        module=DifferentiallyPrivateDistributedDataParallel(model, process_group=group, timeout=1.5),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(IndexedData(20, 5), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
     )
     train(wrapped, optimizer, private_loader, 1)
     if rank == 1:
-        time.sleep(4.0)  # alive but not stepping; then it leaves the broken subgroup alone
+        time.sleep(3.0)  # alive but not stepping; then it leaves the broken subgroup alone
         return {"error": None}
     start = time.monotonic()
     try:
@@ -301,30 +353,33 @@ def crashed(rank: int) -> dict:
 
 
 def main() -> None:
-    rank, world_size, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    rank, world_size, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=30))  # fmt: skip
     results: dict = {}
 
     def save() -> None:
         torch.save(results, out / f"rank{rank}.pt")
 
+    scenarios = [(f"equivalence_{mode}", lambda mode=mode: equivalence(rank, mode))
+                 for mode in ("hooks", "functorch", "ghost")]  # fmt: skip
+    scenarios += [
+        ("virtual", lambda: virtual(rank)), ("opacus_names", lambda: opacus_names(rank)),
+        ("noisy", lambda: noisy(rank)), ("sampling", lambda: sampling(rank)), ("bandmf", lambda: bandmf(rank)),
+        ("truncated", lambda: truncated(rank)), ("mismatch", lambda: mismatch(rank)),
+        ("checkpoint", lambda: checkpoint(rank, out)), ("fsdp2", lambda: fsdp2(rank)),
+        ("unwrapped", lambda: unwrapped_warns(rank)), ("alias", lambda: alias(rank)),
+        ("stalled", lambda: stalled(rank)), ("crashed", lambda: crashed(rank)),
+    ]  # fmt: skip
+    results["seconds"] = {"start-up": time.monotonic() - STARTED}
     try:
-        for mode in ("hooks", "functorch", "ghost"):
-            results[f"equivalence_{mode}"] = equivalence(rank, mode)
-        results["noisy"] = noisy(rank)
-        results["sampling"] = sampling(rank)
-        results["bandmf"] = bandmf(rank)
-        results["truncated"] = truncated(rank)
-        results["mismatch"] = mismatch(rank)
-        results["checkpoint"] = checkpoint(rank, out)
-        results["fsdp2"] = fsdp2(rank)
-        results["unwrapped"] = unwrapped_warns(rank)
-        results["alias"] = alias(rank)
-        results["stalled"] = stalled(rank)
-        save()
-        results["crashed"] = crashed(rank)
+        for name, scenario in scenarios:
+            if name == "crashed":
+                save()  # rank 1 leaves in this one
+            start = time.monotonic()
+            results[name] = scenario()
+            results["seconds"][name] = time.monotonic() - start
     except BaseException:
         results["traceback"] = traceback.format_exc()
         save()

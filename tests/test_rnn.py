@@ -93,7 +93,6 @@ def example_losses(output, probe):
 
 def reference(model, args, probe):
     """Each example alone (its own packed sequence of batch 1), float64, no wrapper."""
-    x, lengths, h0, c0 = args
     tensors = [a for a in args if a is not None]
     names = [n for n, a in zip(("x", "lengths", "h0", "c0"), args) if a is not None]
 
@@ -243,6 +242,51 @@ def test_opacus_named_layers_are_exact():
         expected = reference(model, (x, LENGTHS, None, None), probe)
         run_wrapped(model, (x, LENGTHS, None, None), probe)
         assert_matches_reference(model, expected)
+
+
+class CellLoop(nn.Module):
+    """A user's own time loop over a recurrent cell; ``sequence_first``: input (T, B, F), else (B, T, F)."""
+
+    def __init__(self, cell: nn.RNNCellBase, sequence_first: bool = False) -> None:
+        super().__init__()
+        self.cell, self.sequence_first = cell, sequence_first
+
+    def forward(self, x):
+        steps = x.unbind(0 if self.sequence_first else 1)
+        state, outputs = None, []
+        for x_t in steps:
+            state = self.cell(x_t, state)
+            outputs.append(torch.cat(state, dim=1) if isinstance(state, tuple) else state)
+        return torch.stack(outputs, dim=0 if self.sequence_first else 1)
+
+
+CELLS = {
+    "lstm_cell": lambda: nn.LSTMCell(FEATURES, HIDDEN),
+    "gru_cell": lambda: nn.GRUCell(FEATURES, HIDDEN),
+    "rnn_cell_relu_no_bias": lambda: nn.RNNCell(FEATURES, HIDDEN, nonlinearity="relu", bias=False),
+}
+
+
+@pytest.mark.parametrize("sequence_first", [False, True], ids=["batch_first", "sequence_first"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_cells_in_a_user_loop_are_exact(cell, sequence_first, recwarn):
+    """The fused cell kernels have no batching rule (LSTMCell failed, the others looped per example)."""
+    torch.manual_seed(11)
+    model = CellLoop(CELLS[cell]().to(DOUBLE), sequence_first)
+    x = torch.randn(BATCH, STEPS, FEATURES, dtype=DOUBLE)
+    batch_dim = 1 if sequence_first else 0
+    if sequence_first:
+        x = x.transpose(0, 1).contiguous()
+    probe = torch.randn_like(model(x))
+
+    def loss_of(output, index):
+        return (output * probe.narrow(batch_dim, index, 1)).sum()
+
+    expected = per_example_reference(model, [x], loss_of, batch_dim=batch_dim)
+    wrapped = GradSampleModule(model, batch_first=not sequence_first, loss_reduction="sum")
+    (wrapped(x) * probe).sum().backward()
+    assert_matches_reference(model, expected)
+    assert not [w for w in recwarn if "batching rule" in str(w.message)]
 
 
 # ---------------------------------------------------------------------------------------- dropout
@@ -449,7 +493,6 @@ def test_engine_trains_a_packed_recurrent_model(mode, layer_type):
     assert steps == 3
     for name, param in model.named_parameters():
         assert torch.isfinite(param).all() and not torch.equal(param, before[name]), name
-    assert 0 < engine.get_epsilon(1e-5) < float("inf")
 
 
 # ---------------------------------------------------------------------------------------- state dicts
@@ -556,3 +599,17 @@ def test_packed_input_under_a_parent_fallback_is_refused_clearly():
     packed = pack_padded_sequence(torch.randn(BATCH, STEPS, FEATURES), LENGTHS, batch_first=True, enforce_sorted=False)
     with pytest.raises(TypeError, match="PackedSequence cannot be split into examples"):
         wrapped(packed)
+
+
+def test_subclass_with_its_own_forward_gets_a_hint():
+    """Its forward calls the fused kernel, which cannot run under vmap: torch's error, with our note."""
+
+    class Reversing(nn.LSTM):
+        def forward(self, input, hx=None):
+            output, state = super().forward(input.flip(1), hx)
+            return output.flip(1), state
+
+    wrapped = GradSampleModule(Reversing(FEATURES, HIDDEN, batch_first=True))
+    with pytest.raises(RuntimeError) as raised:
+        wrapped(torch.randn(BATCH, STEPS, FEATURES))
+    assert "Call a plain torch layer" in "\n".join(getattr(raised.value, "__notes__", []))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from privacy_engine.opacus._lazy import lazy_attribute
 
-__all__ = ["DifferentiallyPrivateDistributedDataParallel"]
+__all__ = ["DifferentiallyPrivateDistributedDataParallel"]  # noqa: F822  (served by __getattr__ below)
 
 
 def __getattr__(name: str):

@@ -17,7 +17,7 @@ from torch import nn
 
 from privacy_engine.opacus._lazy import lazy_attribute
 
-__all__ = ["DPGRU", "DPLSTM", "DPMultiheadAttention", "DPRNN"]
+__all__ = ["DPGRU", "DPLSTM", "DPRNN", "DPMultiheadAttention"]  # noqa: F822  (names served by __getattr__)
 
 _RECURRENT = ("DPLSTM", "DPGRU", "DPRNN")
 
@@ -26,7 +26,7 @@ class DPMultiheadAttention(nn.MultiheadAttention):
     """Opacus's name: calling it returns an ``nn.MultiheadAttention`` built with the same arguments
     (see the module docstring), so every path of the engine that knows torch's attention applies."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> nn.MultiheadAttention:  # noqa: PYI034
+    def __new__(cls, *args: Any, **kwargs: Any) -> nn.MultiheadAttention:
         # An instance of torch's class, not of this subclass: the engine treats exactly
         # nn.MultiheadAttention specially (layout, fast clipping), so the type must be torch's.
         return nn.MultiheadAttention(*args, **kwargs)

@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 from accountants import Accountant
 from privacy_engine import checkpoint
 from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
-from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
 from privacy_engine.opacus.accountants import create_accountant
 from privacy_engine.opacus.grad_sample import wrap_opacus_keys
 from privacy_engine.opacus.optimizers import DPOptimizer
+from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["PrivacyEngine", "forbid_accumulation_hook"]
 
@@ -211,7 +211,7 @@ class PrivacyEngine(_PrivacyEngine):
         load_kwargs.pop("weights_only", None)
         try:
             payload = torch.load(path, weights_only=True, **{"map_location": "cpu", **load_kwargs})
-        except Exception as error:  # noqa: BLE001  (any unpickling failure: say which file and why)
+        except Exception as error:  # any unpickling failure: say which file and why
             raise checkpoint.CheckpointError(
                 f"checkpoint {name} is neither a privacy_engine checkpoint nor a plain Opacus checkpoint readable "
                 f"with torch.load(weights_only=True): {error}"

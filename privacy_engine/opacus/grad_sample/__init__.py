@@ -128,7 +128,7 @@ class GradSampleModuleNoOp(_OpacusStateDict, ManualGradSampleModule):
 GradSampleModuleExpandedWeights = GradSampleModule
 
 
-class AbstractGradSampleModule(abc.ABC):  # noqa: B024  (a type for isinstance checks only)
+class AbstractGradSampleModule(abc.ABC):
     """Every wrapper of this engine and of this namespace (for ``isinstance`` checks)."""
 
 

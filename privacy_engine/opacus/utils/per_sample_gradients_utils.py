@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from privacy_engine.grad_sample_module import GradSampleModule
+from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError
 
 __all__ = ["check_per_sample_gradients_are_correct"]
 
@@ -38,6 +38,8 @@ def check_per_sample_gradients_are_correct(
     ``module``, the gradient of that example's own loss (the sum of its outputs), computed by running
     each example alone through a copy of ``module``; for ``loss_reduction`` ``"sum"`` and ``"mean"``
     (``torch.allclose`` with ``atol``, ``rtol``). ``module`` itself is not changed (copies are used).
+    Per-sample gradients that do not even sum to the gradient (the wrapper's first-backward check
+    raises ``ParameterUsageError``) also give False.
 
     ``grad_sample_mode``: ``"hooks"``, ``"functorch"`` or ``"ew"`` (the same exact gradients here);
     anything else raises ``ValueError``. ``x`` must be a tensor (batch on dim 0, or dim 1 if not
@@ -54,7 +56,10 @@ def check_per_sample_gradients_are_correct(
         wrapped = GradSampleModule(model, batch_first=batch_first, loss_reduction=reduction)
         output = wrapped(x)
         loss = output.sum() if reduction == "sum" else output.sum() / x.shape[batch_dim]
-        loss.backward()
+        try:
+            loss.backward()
+        except ParameterUsageError:
+            return False  # the engine's own check found per-sample gradients that do not sum to the gradient
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue

@@ -7,7 +7,7 @@ import torch
 from privacy_engine.opacus._lazy import lazy_attribute
 from privacy_engine.sampling import PoissonBatchSampler
 
-__all__ = ["DistributedUniformWithReplacementSampler", "UniformWithReplacementSampler"]
+__all__ = ["DistributedUniformWithReplacementSampler", "UniformWithReplacementSampler"]  # noqa: F822  (served by __getattr__ below)
 
 
 class UniformWithReplacementSampler(PoissonBatchSampler):

@@ -6,7 +6,7 @@ from typing import Any
 
 from privacy_engine.opacus.validators import fixer_attribute
 
-__all__ = [
+__all__ = [  # noqa: F822  (names served by __getattr__ below)
     "IllegalModuleConfigurationError",
     "NotYetSupportedModuleError",
     "ShouldReplaceModuleError",

@@ -6,7 +6,7 @@ from typing import Any
 
 from privacy_engine.opacus.validators import fixer_attribute
 
-__all__ = ["ModuleValidator"]
+__all__ = ["ModuleValidator"]  # noqa: F822  (served by __getattr__ below)
 
 
 def __getattr__(name: str) -> Any:

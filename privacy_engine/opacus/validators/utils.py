@@ -6,7 +6,7 @@ from typing import Any
 
 from privacy_engine.opacus.validators import fixer_attribute
 
-__all__ = ["register_module_fixer", "register_module_validator"]
+__all__ = ["register_module_fixer", "register_module_validator"]  # noqa: F822  (served by __getattr__ below)
 
 
 def __getattr__(name: str) -> Any:

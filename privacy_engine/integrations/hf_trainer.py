@@ -1,0 +1,247 @@
+"""Hugging Face ``Trainer`` with differential privacy: ``DPTrainer``.
+
+A plain ``Trainer`` builds its own data loader (shuffled, fixed-size batches), its own optimizer, and clips the
+summed gradient; DP-SGD's accounting assumes Poisson-sampled batches and per-example clipping. ``DPTrainer``
+replaces exactly those pieces through ``PrivacyEngine.make_private`` (or ``make_private_with_epsilon``) and
+leaves the rest of ``Trainer`` (collators, schedulers, evaluation, saving, callbacks) as it is:
+
+- the training batches come from the engine's ``DPDataLoader`` (Poisson sampling with rate
+  ``per_device_train_batch_size / len(train_dataset)``; batch sizes vary; an empty batch is a step that
+  releases noise only, without a forward pass: Hugging Face models cannot run on zero examples);
+- the optimizer ``Trainer`` would build (or the one passed in ``optimizers``) is wrapped in a
+  ``DPOptimizer``: per-example clipping to ``max_grad_norm``, Gaussian noise, one accountant step per
+  optimizer step;
+- the model is wrapped (``GradSampleModule``, hooks or ghost mode); ``trainer.model`` stays the user's model
+  (saving, evaluation and ``generate`` see no wrapper), ``trainer.private_model`` is the wrapper;
+- every log line gets ``epsilon`` (at ``target_delta``); ``trainer.get_epsilon()`` gives it at any time.
+
+Refused with a ``ValueError`` when the sampling would not be the accounted one (checked before ``Trainer``
+is built): ``gradient_accumulation_steps > 1`` (several independently sampled batches in one step; set
+``per_device_train_batch_size`` to the batch size you want instead), more than one process or device, an
+``IterableDataset`` (Poisson sampling needs indices), ``resume_from_checkpoint`` (a Trainer checkpoint holds
+no accountant history). ``TrainingArguments.max_grad_norm`` is set to 0: Trainer's clipping of the summed
+gradient is replaced by per-example clipping, and the gradient norm Trainer would log is that of the
+un-noised gradient, so it is not logged.
+
+Not covered by the guarantee: the training loss Trainer logs (computed on each batch without noise), anything
+a callback reads from ``.grad`` before the optimizer step, and evaluation metrics on private data.
+
+Usage::
+
+    trainer = DPTrainer(
+        model=model, args=TrainingArguments(output_dir, per_device_train_batch_size=64, num_train_epochs=3),
+        train_dataset=train, data_collator=collator,
+        target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0,   # or noise_multiplier=1.1
+    )
+    trainer.train()
+    print(trainer.get_epsilon())
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import transformers
+from torch.utils.data import DataLoader, IterableDataset
+
+from privacy_engine.engine import PrivacyEngine
+
+__all__ = ["DPTrainer"]
+
+
+def _check_arguments(args: transformers.TrainingArguments) -> None:
+    if args.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"DPTrainer: gradient_accumulation_steps={args.gradient_accumulation_steps} would sum that many "
+            f"independently sampled batches into one step, which the accounting (one Poisson-sampled batch per "
+            f"step) does not cover. Set per_device_train_batch_size to the expected batch size you want and "
+            f"gradient_accumulation_steps=1."
+        )
+    if args.world_size > 1 or args.n_gpu > 1:
+        raise ValueError(
+            f"DPTrainer runs on one process and one device (world_size={args.world_size}, n_gpu={args.n_gpu}): "
+            f"its private loader samples the whole dataset on each step. Use privacy_engine.distributed for "
+            f"several processes."
+        )
+
+
+def _num_examples(inputs: Any) -> int | None:
+    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return None
+
+
+class DPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose training batches, optimizer and accounting are those of DP-SGD.
+
+    Guarantee: after ``train()``, the released parameters are ``(get_epsilon(), target_delta)``-DP with
+    respect to adding or removing one example of ``train_dataset`` (as computed by the engine's accountant
+    over the steps actually taken), given the rest of the ``Trainer`` configuration is honoured as
+    documented in the module docstring; with ``target_epsilon``, the noise is calibrated so that
+    ``get_epsilon() <= target_epsilon`` over the planned epochs (``ceil(num_train_epochs)``, or the epochs
+    ``max_steps`` spans).
+
+    ====================================  ==================================================
+    case                                  behaviour
+    ====================================  ==================================================
+    empty Poisson batch                   no forward; the step releases noise only
+    ``optimizers=(opt, sched)`` given     ``opt`` is wrapped (its parameter groups kept)
+    neither / both of noise_multiplier,   ``ValueError``
+    target_epsilon
+    gradient_accumulation_steps > 1       ``ValueError`` (see the module docstring)
+    several processes or devices          ``ValueError``
+    IterableDataset train set             ``ValueError`` at ``train()``
+    ``resume_from_checkpoint``            ``ValueError``
+    model that cannot be wrapped          the engine's error (e.g. BatchNorm: ``fix_module``)
+    ====================================  ==================================================
+
+    Args (besides ``Trainer``'s): privacy_engine (default ``PrivacyEngine()``: its accountant records the
+    steps), noise_multiplier or target_epsilon, target_delta, max_grad_norm (per-example clipping bound),
+    grad_sample_mode (``"hooks"`` or ``"ghost"``), and any other keyword of ``PrivacyEngine.make_private``
+    in ``private_options``.
+    """
+
+    def __init__(
+        self,
+        model=None,
+        args: transformers.TrainingArguments | None = None,
+        *trainer_args: Any,
+        privacy_engine: PrivacyEngine | None = None,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        grad_sample_mode: str = "hooks",
+        private_options: dict[str, Any] | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError("DPTrainer needs exactly one of noise_multiplier and target_epsilon")
+        if privacy_engine is not None and not isinstance(privacy_engine, PrivacyEngine):
+            raise TypeError(f"privacy_engine must be a PrivacyEngine; got {type(privacy_engine).__name__}")
+        if args is not None:
+            _check_arguments(args)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        _check_arguments(self.args)
+        # Per-example clipping replaces Trainer's clipping of the summed gradient (whose norm, logged, would
+        # also be a statistic of the un-noised gradient).
+        self.args.max_grad_norm = 0.0
+        self.privacy_engine = privacy_engine if privacy_engine is not None else PrivacyEngine()
+        self.noise_multiplier = noise_multiplier
+        self.target_epsilon = target_epsilon
+        self.target_delta = target_delta
+        self.max_grad_norm = max_grad_norm
+        self.grad_sample_mode = grad_sample_mode
+        self.private_options = dict(private_options or {})
+        self.private_model = None
+        self._private_loader = None
+
+    # ------------------------------------------------------------------ the private pieces
+    def _make_private(self) -> None:
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("DPTrainer: training requires a train_dataset")
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "DPTrainer: the train_dataset is an IterableDataset; Poisson sampling draws examples by index, so "
+                "it needs a map-style dataset (with __len__ and __getitem__)"
+            )
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        plain = DataLoader(
+            dataset,
+            batch_size=self._train_batch_size,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        if self.optimizer is None:
+            super().create_optimizer()  # Trainer's own choice (optimizer, learning rate, weight-decay groups)
+        options = dict(
+            module=self.model,
+            optimizer=self.optimizer,
+            data_loader=plain,
+            max_grad_norm=self.max_grad_norm,
+            grad_sample_mode=self.grad_sample_mode,
+            **self.private_options,
+        )
+        if self.target_epsilon is not None:
+            result = self.privacy_engine.make_private_with_epsilon(
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                epochs=self._planned_epochs(len(plain)),
+                **options,
+            )
+        else:
+            result = self.privacy_engine.make_private(noise_multiplier=self.noise_multiplier, **options)
+        # (model, optimizer, loader), or (model, optimizer, criterion, loader) in ghost mode
+        self.private_model, self.optimizer, self._private_loader = result[0], result[1], result[-1]
+
+    def _planned_epochs(self, batches_per_epoch: int) -> int:
+        if self.args.max_steps is not None and self.args.max_steps > 0:
+            # The private loader yields round(N / batch_size) batches an epoch: at least as many as the plain
+            # loader's ceil(N / batch_size) minus one, so this covers max_steps steps.
+            return max(1, math.ceil(self.args.max_steps / max(1, batches_per_epoch - 1)))
+        return max(1, math.ceil(self.args.num_train_epochs))
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The engine's Poisson-sampling loader (built, with the private optimizer, at the first call)."""
+        if self._private_loader is None:
+            self._make_private()
+        return self._private_loader
+
+    def create_optimizer(self, model=None):
+        if self._private_loader is not None:
+            return self.optimizer  # the DPOptimizer built with the private loader
+        return super().create_optimizer(model)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint:
+            raise ValueError(
+                "DPTrainer cannot resume from a Trainer checkpoint: it holds no accountant history, so the "
+                "privacy spent before it would be forgotten. Save and load the engine's state "
+                "(PrivacyEngine.save_checkpoint) with your own loop instead."
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ------------------------------------------------------------------ one step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if _num_examples(inputs) == 0:
+            # An empty Poisson batch: nothing to run (HF models cannot take zero examples); the optimizer
+            # step that follows releases noise only, as the accounting assumes.
+            return torch.zeros((), device=self.args.device)
+        self.private_model.train()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        # Training forwards go through the wrapper (per-sample gradients, batch bookkeeping); evaluation
+        # forwards (no gradient) through the model Trainer passes.
+        if self.private_model is not None and torch.is_grad_enabled() and model.training:
+            model = self.private_model
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # the norm of the un-noised gradient is not private: not computed, not logged
+
+    # ------------------------------------------------------------------ accounting
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default ``target_delta``), from the engine's accountant."""
+        return self.privacy_engine.get_epsilon(self.target_delta if delta is None else delta)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._private_loader is not None:
+            logs["epsilon"] = self.get_epsilon()
+        super().log(logs, start_time)

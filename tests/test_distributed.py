@@ -1,0 +1,458 @@
+"""Distributed private training (privacy_engine.distributed): 2 ranks on gloo, loopback only.
+
+One 2-process job (tests/distributed_worker.py, spawned once per module, hard time limit) runs every
+scenario; the tests below check what each rank saw against independent references: a float64
+per-example loop replaying the union of the ranks' batches, the noise mechanisms replayed from the
+same seed, and dp-accounting's own epsilon for the same event. The samplers are also checked in
+process, without communication, over many steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import torch
+from torch import nn
+
+from privacy_engine.distributed import (
+    DistributedCyclicPoissonBatchSampler,
+    DistributedPoissonBatchSampler,
+    RankZeroNoise,
+)
+from privacy_engine.noise import BandMFNoise, GaussianNoise
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "distributed_worker.py"
+WORLD_SIZE = 2
+JOB_TIME_LIMIT_S = 240  # a hung job is killed: the tests always end
+PLD_GRID = 1e-3  # the worker's accountant grid
+DELTA = 1e-5
+
+
+# ------------------------------------------------------------------------------ the job
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, list[int]]:
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, str(WORKER), "RANK", str(WORLD_SIZE), str(out)]
+    processes = [
+        subprocess.Popen([str(rank) if c == "RANK" else c for c in command], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=JOB_TIME_LIMIT_S)[0])
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        pytest.fail(f"the distributed job did not end within {JOB_TIME_LIMIT_S} s")
+    results = []
+    for rank in range(WORLD_SIZE):
+        path = out / f"rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
+        results.append(torch.load(path, weights_only=True))
+    rank0, rank1 = results
+    assert "traceback" not in rank0, rank0["traceback"]
+    # Rank 1 raises on purpose in the last scenario, and nowhere else.
+    assert "rank 1 failed on purpose" in rank1.get("traceback", ""), logs[1][-3000:]
+    assert "stalled" in rank1, rank1["traceback"]
+    return rank0, rank1, [p.returncode for p in processes]
+
+
+def both(job, scenario: str) -> tuple[dict, dict]:
+    return job[0][scenario], job[1][scenario]
+
+
+# ------------------------------------------------------------------------------ references
+def mlp(num_features: int = 5) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(num_features, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def indexed_data(num_examples: int, num_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The worker's IndexedData (float64 default dtype there).
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(num_examples, num_features, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (num_examples,), generator=generator)
+    return features, labels
+
+
+def set_flat(model: nn.Module, values: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(values[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+
+
+def clipped_sgd_step(model, features, labels, indices, *, max_grad_norm, expected_batch_size, lr) -> None:
+    """One DP-SGD step without noise by its definition: each example's own gradient (a forward and
+    backward on it alone), clipped to norm <= C, summed, divided by the expected batch size."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for index in indices:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(features[index : index + 1]), labels[index : index + 1]).backward()
+        grads = [p.grad.clone() for p in params]
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        factor = min(1.0, max_grad_norm / float(norm))
+        for t, g in zip(total, grads):
+            t.add_(g, alpha=factor)
+    with torch.no_grad():
+        for p, t in zip(params, total):
+            p.sub_(lr * t / expected_batch_size)
+
+
+def dp_accounting_epsilon(event: dp_accounting.DpEvent) -> float:
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
+    accountant.compose(event)
+    return accountant.get_epsilon(DELTA)
+
+
+def replay_noise(mechanism, shapes, sigma, clip, steps) -> list[torch.Tensor]:
+    """The flat noise of ``steps`` steps of a noise mechanism added to zero sums."""
+    rows = []
+    for _ in range(steps):
+        tensors = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+        mechanism.add_noise_(tensors, sigma, clip)
+        rows.append(torch.cat([t.reshape(-1) for t in tensors]))
+    return rows
+
+
+# ------------------------------------------------------------------------------ one global step
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_two_ranks_equal_one_process_on_the_union_batch_without_noise(job, mode):
+    rank0, rank1 = both(job, f"equivalence_{mode}")
+    features, labels = indexed_data(40, 5)
+    model = mlp()
+    set_flat(model, rank0["initial"])
+    assert torch.equal(rank0["initial"], rank1["initial"])
+    assert rank0["expected_batch_size"] == 4.0  # the global one: batch_size of the loader
+    assert len(rank0["params"]) == 6
+    for step in range(6):
+        union = rank0["indices"][step] + rank1["indices"][step]
+        clipped_sgd_step(model, features, labels, union, max_grad_norm=0.3, expected_batch_size=4.0, lr=0.5)
+        expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(rank0["params"][step], expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(rank1["params"][step], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_virtual_steps_under_ddp_equal_one_process_on_the_union_batch(job):
+    rank0, rank1 = both(job, "virtual")
+    reference = both(job, "equivalence_hooks")
+    # Same seed as the hooks run: the same batches, now cut into single-example micro-batches.
+    assert [sorted(i) for i in rank0["indices"]] == [sorted(i) for i in reference[0]["indices"]]
+    assert [sorted(i) for i in rank1["indices"]] == [sorted(i) for i in reference[1]["indices"]]
+    for mine, theirs in zip(rank0["params"] + rank1["params"], reference[0]["params"] + reference[1]["params"]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
+
+
+def test_opacus_distributed_optimizer_and_loader_names_run_global_steps(job):
+    rank0, rank1 = both(job, "opacus_names")
+    assert rank0["expected_batch_size"] == 8.0  # Opacus passes each rank's: 4 x 2 ranks
+    assert rank0["sample_rate"] == pytest.approx(8 / 40)
+    for draw0, draw1 in zip(rank0["indices"], rank1["indices"]):
+        assert not set(draw0) & set(draw1)
+    for params0, params1 in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(params0, params1)
+
+
+def test_a_rank_with_an_empty_local_batch_still_takes_part(job):
+    rank0, rank1 = both(job, "equivalence_hooks")
+    local_sizes = [len(i) for i in rank0["indices"] + rank1["indices"]]
+    # The seeded run holds empty local batches (the equivalence test above covers those steps).
+    assert 0 in local_sizes
+    assert any(size > 0 for size in local_sizes)
+
+
+def test_parameters_are_bit_identical_across_ranks_with_noise(job):
+    for scenario in ("noisy", "bandmf", "truncated", "checkpoint"):
+        rank0, rank1 = both(job, scenario)
+        record0 = rank0 if scenario != "checkpoint" else rank0["first"]
+        record1 = rank1 if scenario != "checkpoint" else rank1["first"]
+        assert len(record0["params"]) >= 3
+        for params0, params1 in zip(record0["params"], record1["params"]):
+            assert torch.equal(params0, params1), scenario
+
+
+def test_gaussian_noise_is_one_draw_of_std_sigma_c_over_the_global_batch(job):
+    rank0, rank1 = both(job, "noisy")
+    sigma, clip, global_batch, lr = 2.0, 1.5, 16.0, 1.0
+    previous = rank0["initial"]
+    deltas = []
+    for params in rank0["params"]:
+        deltas.append(previous - params)  # = lr * noise / B: the gradients are zero
+        previous = params
+    noise = torch.stack(deltas) * global_batch / lr
+    # Statistical: std sigma * C per coordinate (once; two draws would give sqrt(2) times more, a
+    # division by the local batch twice as much). 4 steps x 2040 coordinates: the estimate's
+    # relative error is ~0.8 %, so 5 % is more than 6 standard errors.
+    assert noise.numel() == 4 * 2040
+    assert noise.std().item() == pytest.approx(sigma * clip, rel=0.05)
+    assert abs(noise.mean().item()) < 4 * sigma * clip / math.sqrt(noise.numel())
+    # Exact: rank 0's mechanism (seed 5) drew it, and the same values reached rank 1.
+    expected = replay_noise(GaussianNoise(seed=5), [(40, 50), (40,)], sigma, clip, 4)
+    torch.testing.assert_close(noise, torch.stack(expected), rtol=0, atol=1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
+
+
+def test_bandmf_noise_under_ddp_is_rank_zeros_correlated_sequence(job):
+    rank0, rank1 = both(job, "bandmf")
+    coefficients = rank0["coefficients"]
+    assert len(coefficients) == 2
+    previous = rank0["initial"]
+    deltas = []
+    for params in rank0["params"]:
+        deltas.append((previous - params) * 8.0)  # lr 1, global expected batch 8
+        previous = params
+    expected = replay_noise(BandMFNoise(coefficients, seed=9), [(4, 6), (4,)], 1.0, 1.0, 6)
+    torch.testing.assert_close(torch.stack(deltas), torch.stack(expected), rtol=0, atol=1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
+
+
+# ------------------------------------------------------------------------------ sampling (engine)
+def test_the_engines_loader_gives_each_example_to_one_rank_at_the_global_rate(job):
+    rank0, rank1 = both(job, "sampling")
+    q = rank0["sample_rate"]
+    assert q == pytest.approx(6 / 30)
+    assert sorted(rank0["shard"] + rank1["shard"]) == list(range(30))
+    counts = torch.zeros(30)
+    for draw0, draw1 in zip(rank0["indices"], rank1["indices"]):
+        assert not set(draw0) & set(draw1)  # never on two ranks at once
+        assert set(draw0) <= set(rank0["shard"]) and set(draw1) <= set(rank1["shard"])
+        counts[draw0 + draw1] += 1
+    steps = len(rank0["indices"])
+    # Each count is Binomial(300, 0.2): mean 60, sd 6.9; the overall rate has sd 0.0042.
+    assert counts.sum().item() / (30 * steps) == pytest.approx(q, abs=0.02)
+    assert counts.min().item() > 60 - 5 * 6.93 and counts.max().item() < 60 + 5 * 6.93
+
+
+def test_bandmf_groups_are_global_and_each_step_samples_only_its_group(job):
+    rank0, rank1 = both(job, "bandmf")
+    assert rank0["groups"] == rank1["groups"]
+    groups = rank0["groups"]
+    assert sorted(groups[0] + groups[1]) == list(range(48))
+    for group in range(2):
+        assert sorted(rank0["local_groups"][group] + rank1["local_groups"][group]) == sorted(groups[group])
+    for step, (draw0, draw1) in enumerate(zip(rank0["indices"], rank1["indices"])):
+        assert not set(draw0) & set(draw1)
+        assert set(draw0 + draw1) <= set(groups[step % 2])
+
+
+def test_truncated_batches_have_the_per_rank_shape_and_union_to_one_truncated_sample(job):
+    rank0, rank1 = both(job, "truncated")
+    group = set(rank0["group"])
+    for (draw0, pad0), (draw1, pad1) in zip(zip(rank0["indices"], rank0["padding"]),
+                                            zip(rank1["indices"], rank1["padding"])):  # fmt: skip
+        assert len(draw0) == len(draw1) == 3  # global cap 6 over 2 ranks
+        real = [i for i, p in zip(draw0, pad0) if not p] + [i for i, p in zip(draw1, pad1) if not p]
+        assert len(real) == len(set(real)) <= 6
+        assert set(real) <= group
+        # Padding fills the end of the global batch: rank 1 is padded only if rank 0's slice is full.
+        assert not any(pad0) or all(pad1)
+
+
+# ------------------------------------------------------------------------------ accounting
+def test_every_ranks_epsilon_is_the_single_process_dp_sgd_epsilon(job):
+    rank0, rank1 = both(job, "noisy")
+    assert rank0["steps"] == rank1["steps"] == 4
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(2.0)), 4
+    )
+    expected = dp_accounting_epsilon(event)
+    assert rank0["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert rank1["epsilon"] == rank0["epsilon"]
+
+
+def test_bandmf_epsilon_is_the_single_process_amplified_event(job):
+    rank0, rank1 = both(job, "bandmf")
+    assert rank0["steps"] == 6
+    p = rank0["sample_rate"]
+    assert p == pytest.approx(2 * 8 / 48)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(1.0)), 3  # ceil(6 / 2)
+    )
+    assert rank0["epsilon"] == pytest.approx(dp_accounting_epsilon(event), rel=1e-9)
+    assert rank1["epsilon"] == rank0["epsilon"]
+
+
+def test_truncated_epsilon_is_the_single_process_truncated_event_with_the_global_cap(job):
+    rank0, rank1 = both(job, "truncated")
+    assert (rank0["group_size"], rank0["max_batch_size"], rank0["steps"]) == (40, 6, 8)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=40, sampling_probability=5 / 40, truncated_batch_size=6, noise_multiplier=1.0
+        ),
+        8,
+    )
+    assert rank0["epsilon"] == pytest.approx(dp_accounting_epsilon(event), rel=1e-9)
+    assert rank1["epsilon"] == rank0["epsilon"]
+
+
+# ------------------------------------------------------------------------------ set-up and failures
+def test_mismatched_settings_raise_on_every_rank_naming_the_setting(job):
+    rank0, rank1 = both(job, "mismatch")
+    for result in (rank0, rank1):
+        assert result["error"] is not None
+        assert "noise_multiplier: rank 0: 1.0, rank 1: 1.1" in result["error"]
+        assert not result["hooked"]  # raised before the model was wrapped
+
+
+def test_resuming_every_rank_from_rank_zeros_checkpoint_repeats_the_steps(job):
+    rank0, rank1 = both(job, "checkpoint")
+    for result in (rank0, rank1):
+        assert result["again"]["indices"] == result["first"]["indices"]
+        for first, again in zip(result["first"]["params"], result["again"]["params"]):
+            assert torch.equal(first, again)  # same sampling, same noise, same update
+        assert result["steps"] == 5
+
+
+def test_fsdp2_is_refused_with_a_clear_error(job):
+    result = job[0]["fsdp2"]
+    if "unavailable" in result:
+        pytest.skip(f"fully_shard on CPU/gloo unavailable here: {result['unavailable']}")
+    assert "FSDP2" in result["error"] and "DistributedDataParallel" in result["error"]
+
+
+def test_a_model_without_ddp_in_a_process_group_warns(job):
+    assert any("not wrapped in DistributedDataParallel" in w for w in job[0]["unwrapped"]["warnings"])
+
+
+def test_opacus_wrapper_name_broadcasts_rank_zeros_parameters(job):
+    rank0, rank1 = both(job, "alias")
+    assert not torch.equal(rank0["before"], rank1["before"])
+    assert torch.equal(rank0["after"], rank0["before"])
+    assert torch.equal(rank1["after"], rank0["before"])
+    assert rank0["noise"] == "RankZeroNoise"
+
+
+def test_a_stalled_rank_makes_the_other_fail_within_the_timeout(job):
+    result = job[0]["stalled"]
+    assert result["error"] is not None and "did not complete (timeout 1.5 s)" in result["error"]
+    assert result["seconds"] < 2.9  # the stalled rank sleeps 3 s: the error came from the timeout
+    assert result["grads_dropped"]  # the un-noised local sum is not left in .grad
+
+
+def test_a_rank_that_raises_makes_the_other_fail_instead_of_hanging(job):
+    result = job[0]["crashed"]
+    assert result["error"] is not None and "another rank raised, died or stalled" in result["error"]
+    assert job[2][1] != 0 and job[2][0] == 0
+
+
+# ------------------------------------------------------------------------------ samplers in process
+def test_poisson_shards_partition_the_examples_for_any_world_size():
+    for world_size in (1, 2, 3, 7):
+        shards = [DistributedPoissonBatchSampler(10, 0.3, rank=r, world_size=world_size, seed=1).shard
+                  for r in range(world_size)]  # fmt: skip
+        assert sorted(torch.cat(shards).tolist()) == list(range(10))
+
+
+def test_distributed_poisson_inclusion_is_q_independently_across_ranks():
+    q, steps = 0.3, 2000
+    samplers = [DistributedPoissonBatchSampler(20, q, rank=r, world_size=2, seed=4, steps=steps) for r in range(2)]
+    inclusion = torch.zeros(steps, 20, dtype=torch.bool)
+    for rank, sampler in enumerate(samplers):
+        for step, batch in enumerate(sampler):
+            assert not inclusion[step, batch].any()  # never on two ranks at once
+            inclusion[step, batch] = True
+    frequencies = inclusion.double().mean(0)
+    # Each frequency: sd sqrt(q(1-q)/2000) = 0.0102.
+    assert (frequencies - q).abs().max().item() < 5 * 0.0103
+    # Same seed, distinct streams: example 0 (rank 0) and example 1 (rank 1) agree on inclusion at
+    # the rate of independent draws (q^2 + (1-q)^2 = 0.58), not always.
+    agreement = (inclusion[:, 0] == inclusion[:, 1]).double().mean().item()
+    assert agreement == pytest.approx(q**2 + (1 - q) ** 2, abs=5 * 0.011)
+
+
+def test_cyclic_groups_depend_on_the_seed_only_and_parts_partition_them():
+    for public_size in (False, True):
+        samplers = [DistributedCyclicPoissonBatchSampler(31, 3, 0.4, rank=r, world_size=2, seed=8,
+                                                         public_size=public_size) for r in range(2)]  # fmt: skip
+        assert [g.tolist() for g in samplers[0].groups] == [g.tolist() for g in samplers[1].groups]
+        assert sorted(torch.cat(samplers[0].groups).tolist()) == list(range(31))
+        for group in range(3):
+            parts = samplers[0].local_groups[group].tolist() + samplers[1].local_groups[group].tolist()
+            assert sorted(parts) == sorted(samplers[0].groups[group].tolist())
+        for step, (batch0, batch1) in enumerate(zip(*samplers)):
+            assert set(batch0 + batch1) <= set(samplers[0].groups[step % 3].tolist())
+            assert not set(batch0) & set(batch1)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_truncated_slices_reassemble_one_truncated_poisson_sample(secure):
+    cap, steps = 4, 2000
+    samplers = [DistributedCyclicPoissonBatchSampler(12, 1, 0.5, rank=r, world_size=2, seed=3, steps=steps,
+                                                     max_batch_size=cap, secure=secure, shared_seed=7)
+                for r in range(2)]  # fmt: skip
+    real_counts = []
+    inclusion = torch.zeros(12)
+    for step in range(steps):
+        real = []
+        for sampler in samplers:
+            indices, padding = sampler._draw(step)
+            assert len(indices) == cap // 2
+            real += [i for i, p in zip(indices, padding.tolist()) if not p]
+        assert len(set(real)) == len(real) <= cap
+        real_counts.append(len(real))
+        inclusion[real] += 1
+    # B ~ Binomial(12, 0.5) truncated at 4: P(real = 4) = P(B >= 4) = 1 - 299/4096 = 0.927 (sd 0.006).
+    full = sum(c == cap for c in real_counts) / steps
+    assert full == pytest.approx(0.927, abs=5 * 0.006)
+    # Symmetric: every example has the same rate E[min(B, 4)] / 12 = (4 - 392/4096) / 12 = 0.325 (sd 0.0105).
+    assert (inclusion / steps - 0.325).abs().max().item() < 5 * 0.0105
+
+
+def test_secure_draws_come_from_the_os_and_no_state_holds_the_shared_seed():
+    # Secure: equal seeds do not give equal draws (the OS decides), and the rate is still q.
+    first, second = (DistributedPoissonBatchSampler(40, 0.25, rank=0, world_size=2, seed=1, steps=400, secure=True)
+                     for _ in range(2))  # fmt: skip
+    draws = list(first)
+    assert draws != list(second)
+    assert sum(len(d) for d in draws) / (20 * 400) == pytest.approx(0.25, abs=5 * 0.0048)
+    truncated = DistributedCyclicPoissonBatchSampler(40, 2, 0.25, rank=0, world_size=2, seed=1, secure=True,
+                                                     max_batch_size=8, shared_seed=12345)  # fmt: skip
+    assert 12345 not in truncated.state_dict().values()
+    with pytest.raises(ValueError, match="needs shared_seed"):
+        DistributedCyclicPoissonBatchSampler(40, 2, 0.25, rank=0, world_size=2, seed=1, secure=True, max_batch_size=8)
+
+
+def test_a_global_cap_that_the_ranks_cannot_share_equally_is_refused():
+    with pytest.raises(ValueError, match="max_batch_size=5 .* multiple of world_size=2"):
+        DistributedCyclicPoissonBatchSampler(20, 1, 0.2, rank=0, world_size=2, seed=0, max_batch_size=5)
+
+
+def test_bad_rank_is_refused():
+    with pytest.raises(ValueError, match="rank must be an int in"):
+        DistributedPoissonBatchSampler(10, 0.5, rank=2, world_size=2, seed=0)
+
+
+def test_sampler_state_round_trip_repeats_the_draws():
+    sampler = DistributedCyclicPoissonBatchSampler(30, 2, 0.3, rank=1, world_size=2, seed=6, steps=5)
+    list(sampler)
+    state = sampler.state_dict()
+    after = list(sampler)
+    fresh = DistributedCyclicPoissonBatchSampler(30, 2, 0.3, rank=1, world_size=2, seed=99, steps=5)
+    fresh.load_state_dict(state)
+    assert list(fresh) == after
+    wrong_rank = DistributedCyclicPoissonBatchSampler(30, 2, 0.3, rank=0, world_size=2, seed=6)
+    with pytest.raises(ValueError, match="rank=1"):
+        wrong_rank.load_state_dict(state)
+
+
+def test_rank_zero_noise_refuses_a_noise_state_saved_on_another_rank():
+    class Job:
+        rank, world_size = 0, 2
+
+    other = RankZeroNoise(GaussianNoise(seed=1), Job())
+    state = other.state_dict()
+    state["distributed"]["saved_on_rank"] = 1
+    with pytest.raises(ValueError, match="saved on rank 1"):
+        RankZeroNoise(GaussianNoise(seed=2), Job()).load_state_dict(state)

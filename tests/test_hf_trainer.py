@@ -1,0 +1,124 @@
+"""DPTrainer: Hugging Face Trainer with the engine's Poisson loader, DP optimizer and accountant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from privacy_engine import DPDataLoader, DPOptimizer, PrivacyEngine  # noqa: E402
+from privacy_engine.integrations.hf_trainer import DPTrainer  # noqa: E402
+
+NUM_EXAMPLES, SEQ, VOCAB = 48, 8, 40
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Sequences whose label is whether token 1 appears: a task a tiny BERT learns a little of."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(2, VOCAB, (NUM_EXAMPLES, SEQ), generator=generator)
+        self.labels = torch.randint(0, 2, (NUM_EXAMPLES,), generator=generator)
+        self.ids[self.labels == 1, 0] = 1
+
+    def __len__(self) -> int:
+        return NUM_EXAMPLES
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.labels[index]}
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=2,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def _arguments(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_dp_trainer_samples_poisson_batches_and_logs_epsilon(tmp_path, mode: str) -> None:
+    from dp_accounting import dp_event, rdp
+
+    model = _model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = PrivacyEngine(accountant="rdp")
+    trainer = DPTrainer(
+        model=model, args=_arguments(tmp_path), train_dataset=TokenDataset(), privacy_engine=engine,
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+    )
+    sizes = []
+    step = trainer.training_step
+
+    def recording_step(model, inputs, num_items_in_batch=None):
+        sizes.append(int(inputs["input_ids"].shape[0]))
+        return step(model, inputs, num_items_in_batch)
+
+    trainer.training_step = recording_step
+    trainer.train()
+
+    assert isinstance(trainer.get_train_dataloader(), DPDataLoader)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    assert isinstance(optimizer, DPOptimizer)
+    steps = trainer.state.global_step
+    assert steps == NUM_EXAMPLES // 8 and len(sizes) == steps
+    assert len(set(sizes)) > 1  # Poisson: batch sizes vary (fixed seed)
+    assert trainer.args.max_grad_norm == 0.0
+    assert all(not torch.equal(before[name], p) for name, p in model.named_parameters())
+
+    # The accounted event is DP-SGD at q = 8 / 48, sigma = 1, for the steps taken: check with dp-accounting.
+    expected = rdp.RdpAccountant()
+    expected.compose(dp_event.PoissonSampledDpEvent(8 / NUM_EXAMPLES, dp_event.GaussianDpEvent(1.0)), steps)
+    epsilon = trainer.get_epsilon()
+    assert epsilon == pytest.approx(expected.get_epsilon(1e-5), rel=1e-6)
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all("epsilon" in entry and "grad_norm" not in entry for entry in logged)
+    assert logged[-1]["epsilon"] == pytest.approx(epsilon, rel=1e-6)
+
+
+def test_dp_trainer_with_target_epsilon_stays_within_it(tmp_path) -> None:
+    trainer = DPTrainer(
+        model=_model(), args=_arguments(tmp_path, num_train_epochs=2), train_dataset=TokenDataset(),
+        privacy_engine=PrivacyEngine(accountant="rdp"), target_epsilon=4.0, target_delta=1e-5,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2 * (NUM_EXAMPLES // 8)
+    assert 3.0 < trainer.get_epsilon() <= 4.0
+
+
+def test_dp_trainer_refuses_what_the_accounting_does_not_cover(tmp_path) -> None:
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        DPTrainer(model=_model(), args=_arguments(tmp_path, gradient_accumulation_steps=2),
+                  train_dataset=TokenDataset(), noise_multiplier=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="exactly one of noise_multiplier and target_epsilon"):
+        DPTrainer(model=_model(), args=_arguments(tmp_path), train_dataset=TokenDataset())
+    trainer = DPTrainer(model=_model(), args=_arguments(tmp_path), train_dataset=TokenDataset(), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="cannot resume"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_plain_trainer_with_a_private_optimizer_is_refused(tmp_path) -> None:
+    """Trainer's own shuffled batches are not the ones the accountant records: the step is refused."""
+    model = _model()
+    dataset = TokenDataset()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, private_optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=optimizer, data_loader=torch.utils.data.DataLoader(dataset, batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    trainer = transformers.Trainer(model=model, args=_arguments(tmp_path), train_dataset=dataset,
+                                   optimizers=(private_optimizer, None))  # fmt: skip
+    with pytest.raises(RuntimeError, match="private loader did not draw"):
+        trainer.train()
