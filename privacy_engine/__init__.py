@@ -14,12 +14,14 @@ from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageEr
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.optimizer import DPOptimizer
 from privacy_engine.sampling import DPDataLoader
+from privacy_engine.step_contract import BatchTicket, StepContract, move_to
 from privacy_engine.validation import UnsupportedModuleError
 from privacy_engine.virtual_steps import BatchMemoryManager, VirtualSteps
 
 __all__ = [
     "BandCandidate",
     "BandMFNoise",
+    "BatchTicket",
     "BatchMemoryManager",
     "ClippingConfig",
     "ClippingStats",
@@ -38,9 +40,11 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyBudgetExceeded",
     "PrivacyEngine",
+    "StepContract",
     "UnsupportedModuleError",
     "VirtualSteps",
     "fix_module",
+    "move_to",
     "parameter_groups",
     "per_sample_gradients",
 ]

@@ -116,7 +116,9 @@ class _DistributedSampler(_DPBatchSampler):
 
     def state_dict(self) -> dict[str, Any]:
         """The agreed seed and the next step: with counter-based streams, that is the whole state.
-        (The seed determines which examples were and will be sampled: keep it as secret as the data.)"""
+        Outside secure mode the seed determines which examples were and will be sampled: keep the
+        state as secret as the data. In secure mode it fixes only the cyclic groups (the draws come
+        from the OS, or from a shared seed that is not saved)."""
         return {"kind": self.kind, "num_samples": self.num_samples, "population": self.population,
                 "num_groups": self.num_groups, "rank": self.rank, "world_size": self.world_size,
                 "secure": self.secure, "seed": self.seed, "next_step": self._next_step}  # fmt: skip

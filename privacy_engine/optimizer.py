@@ -63,10 +63,20 @@ class DPOptimizer(Optimizer):
     noise_multiplier = 0                  no noise; the accountant reports epsilon = inf
     sensitivity inf and noise_mult. > 0   ValueError at construction
     a parameter never used in forward     zero gradient plus noise (it is still updated)
-    frozen parameter (requires_grad off)  left alone: no clipping, no noise
+    frozen parameter (requires_grad off)  read at every forward and step: no clipping, no
+                                          noise, no update; unfrozen later: clipped and
+                                          noised from then on (``sync_private_parameters``)
     closure given                         evaluated once (with grad), then as above
     zero_grad() between micro-batches     keeps the accumulated sum of the logical step
+    gradients without per-sample ones     RuntimeError (eval mode, unwrapped model), nothing
+                                          released or counted
+    several loader batches in one step    each clipped on its own; accounted as k draws in one
+                                          release; divided by k * expected_batch_size
     ====================================  ==============================================
+
+    Which batches, backward passes and parameters one step contains, and every check made before
+    a release, are the step contract's: see ``privacy_engine.step_contract`` for the table of loop
+    patterns (accumulation, unfreezing, eval, exceptions, skipping, look-ahead, several optimizers).
 
     Args:
         optimizer: the optimizer to wrap. Its trainable parameters (``requires_grad``) at
