@@ -102,9 +102,9 @@ class Composition(abc.ABC):
 
     `drift` counts the PLD compositions this value went through that dp-accounting's own
     composition of the same sequence does not do (each trims tails of mass up to 1e-15): 0 means
-    it was built the way dp-accounting builds it, to the bit. Missing mass moves delta(epsilon) by
-    at most that much, which is how `Accountant._exceeds` decides when a cached value is close
-    enough to a budget to need the drift-free one.
+    it was built the way dp-accounting builds it (the same operations in the same order). Missing
+    mass moves delta(epsilon) by at most that much, which is how `Accountant._exceeds` decides
+    when a cached value is close enough to a budget to need the drift-free one.
     """
 
     def __init__(self, sequence: AtomSequence, *, drift: int = 0) -> None:

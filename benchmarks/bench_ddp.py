@@ -108,6 +108,15 @@ def run_rank(rank: int, world_size: int, workload_name: str, repeats: int, warmu
         repeats=repeats,
         warmup=warmup,
     )
+    # The all-reduce alone (ranks aligned by a barrier first): the communication part of the DP
+    # all-reduce time above, the rest being the wait for the slower rank.
+    flat = torch.zeros(sum(p.numel() for p in plain_model.parameters()))
+    alone = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        alone.append(time.perf_counter() - start)
     if rank == 0:
         skip = warmup + repeats  # the warm-up and settling calls (time_interleaved: 1 settle + 1 timed a round)
         result = {
@@ -118,6 +127,8 @@ def run_rank(rank: int, world_size: int, workload_name: str, repeats: int, warmu
             **{f"{name}_iqr": timing.spread for name, timing in timings.items()},
             "dp_comm_ms": 1e3 * statistics.median(communication["hooks"][skip:]),
             "dp_ghost_comm_ms": 1e3 * statistics.median(communication["ghost"][skip:]),
+            "all_reduce_alone_ms": 1e3 * statistics.median(alone),
+            "parameters": flat.numel(),
         }
         Path(out, f"result-{workload_name}-{world_size}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -139,7 +150,8 @@ def main() -> None:
                 rows.append(json.loads(Path(out, f"result-{name}-{world_size}.json").read_text()))
     print(f"DP-SGD under DistributedDataParallel, gloo on CPU, global batch {GLOBAL_BATCH}, 1 thread per process; "
           f"median of {repeats} interleaved steps (rank 0)\n")  # fmt: skip
-    header = (f"{'workload':<9} {'procs':>5} {'local B':>7} {'plain ms':>9} {'DDP ms':>8} {'DDP comm':>9} | "
+    header = (f"{'workload':<9} {'procs':>5} {'local B':>7} {'plain ms':>9} {'DDP ms':>8} {'DDP comm':>9} "
+              f"{'reduce':>7} | "
               f"{'DP ms':>8} {'x DDP':>6} {'all-reduce':>16} {'speed-up':>8} | {'ghost ms':>9} {'x DDP':>6} "
               f"{'all-reduce':>16} {'speed-up':>8}")  # fmt: skip
     print(header)
@@ -156,10 +168,12 @@ def main() -> None:
             cells.append(f"{milliseconds:>8.1f} {milliseconds / row['ddp_ms']:>6.2f} "
                          f"{row[f'{variant}_comm_ms']:>7.1f} ({share:>5.1%}) {speedup:>7.2f}x")  # fmt: skip
         print(f"{row['workload']:<9} {row['processes']:>5} {row['local_batch']:>7} {row['plain_ms']:>9.1f} "
-              f"{row['ddp_ms']:>8.1f} {row['ddp_ms'] - row['plain_ms']:>9.1f} | {cells[0]} | {cells[1]}")  # fmt: skip
+              f"{row['ddp_ms']:>8.1f} {row['ddp_ms'] - row['plain_ms']:>9.1f} {row['all_reduce_alone_ms']:>7.1f} | "
+              f"{cells[0]} | {cells[1]}")  # fmt: skip
     worst = max(max(row[f"{name}_iqr"] for name in ("plain", "ddp", "dp", "dp_ghost")) for row in rows)
     print(
-        "\nDDP comm: DDP step - plain step (its all-reduce, overlapped with backward). DP: materialised per-sample "
+        "\nDDP comm: DDP step - plain step (its all-reduce, overlapped with backward). reduce: one all-reduce of the "
+        "parameter-sized vector alone, ranks aligned first (pure communication). DP: materialised per-sample "
         "gradients (hooks); ghost: fast clipping. x DDP: DP step / non-private DDP step. all-reduce: time in DP's one "
         "all-reduce per step (communication + waiting for the other rank), and its share of the step. speed-up: the "
         "1-process step time over this one, at the same global batch."

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
-import grad_samplers.registry as registry
 from accountants import make_accountant
+from grad_samplers import registry
 from privacy_engine import GradSampleModule as EngineGradSampleModule
 from privacy_engine import PrivacyEngine as EnginePrivacyEngine
 from privacy_engine.manual_grad_sample import ManualGradSampleModule
@@ -79,7 +79,7 @@ def test_no_op_mode_releases_the_loops_own_per_sample_gradients():
 
 
 def test_no_op_rows_without_a_training_forward_on_a_loader_batch_are_refused():
-    model, optimizer, loader = make_private(EnginePrivacyEngine(), grad_sample_mode="no_op")
+    model, optimizer, _ = make_private(EnginePrivacyEngine(), grad_sample_mode="no_op")
     for param in model.parameters():
         param.grad_sample = torch.zeros(10, *param.shape)
     with pytest.raises(RuntimeError, match="did not draw"):
@@ -274,7 +274,7 @@ def test_an_opacus_checkpoint_loads_into_the_compat_engine(tmp_path):
     target = GradSampleModule(nn.Linear(3, 2))
     engine.load_checkpoint(path=path, module=target)
     assert torch.equal(target._module.weight, source._module.weight)
-    reference = make_accountant("pld")
+    reference = PRVAccountant()
     reference.step(noise_multiplier=1.1, sample_rate=0.01, num_steps=150)
     assert engine.accountant.steps == 150
     assert engine.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)

@@ -22,12 +22,13 @@ mnist in secure mode: Opacus needs torchcsprng).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import math
 import re
 import runpy
+import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -55,6 +56,7 @@ class Example:
     own_process: bool = False  # registers validators globally: run in a fresh interpreter
     opacus_fails: str | None = None  # why the original fails under Opacus 1.6
     training_cases: int = 1
+    fails_here: str | None = None  # a known failure on this engine (xfail, not strict), with its reason
 
 
 EXAMPLES = [
@@ -76,17 +78,40 @@ EXAMPLES = [
     Example("image_classifier", "image_classifier", training_cases=0,
             opacus_fails="Opacus 1.6 hooks break on ReLU(inplace=True) after a hooked layer (ResNet)"),
     Example("dcgan", "dcgan", training_cases=0,
-            opacus_fails="Opacus 1.6 hooks break on LeakyReLU(inplace=True) after a hooked layer"),
+            opacus_fails="Opacus 1.6 hooks break on LeakyReLU(inplace=True) after a hooked layer",
+            fails_here="the step contract (issue 8) refuses a backward through two forwards on different batches; "
+                       "dcgan's discriminator sees the real batch and a generated one (no private data) before "
+                       "one backward"),
     Example("mnist_secure_mode", "mnist", {"secure_rng": True}, training_cases=0,
             opacus_fails="Opacus 1.6's secure mode needs the torchcsprng package"),
 ]
 BY_NAME = {example.name: example for example in EXAMPLES}
 assert sum(example.training_cases for example in EXAMPLES) == 16
 
-# Opacus 1.6's epsilon for exactly the steps our run of each example records (its accountant: PRV,
-# or RDP where the script asks for it), per part: (noise_multiplier, sample_rate, steps, delta,
-# mechanism, epsilon). Used when Opacus is not installed; recomputed live when it is.
-OPACUS_EPSILON: dict[str, list[tuple]] = {}
+# Opacus 1.6's epsilon for exactly the steps our run of each example records (its accountant: PRV
+# with eps_error 1e-3, or RDP where the script asks for it), per part: (noise_multiplier,
+# sample_rate, steps, delta, mechanism, epsilon). Used when Opacus is not installed; recomputed live
+# when it is. Noise multipliers of make_private_with_epsilon runs are this engine's calibration.
+OPACUS_EPSILON: dict[str, list[tuple]] = {
+    "mnist": [(1.0, 0.25, 4, 1e-05, "prv", 4.207155)],
+    "cifar10_hooks": [(1.5, 0.25, 4, 1e-05, "prv", 2.139788)],
+    "cifar10_functorch": [(1.5, 0.25, 4, 1e-05, "prv", 2.139788)],
+    "cifar10_ew": [(1.5, 0.25, 4, 1e-05, "prv", 2.139788)],
+    "cifar10_no_op": [(1.5, 0.25, 4, 1e-05, "prv", 2.139788)],
+    "cifar10_clip_per_layer": [(1.5, 0.25, 4, 1e-05, "prv", 2.139788)],
+    "char_lstm_lstm": [(1.0, 0.2, 5, 8e-05, "prv", 3.176096)],
+    "char_lstm_gru": [(1.0, 0.2, 5, 8e-05, "prv", 3.176096)],
+    "char_lstm_rnn": [(1.0, 0.2, 5, 8e-05, "prv", 3.176096)],
+    "imdb": [(0.56, 0.25, 4, 1e-05, "prv", 11.568046)],
+    "lstm_name_classifier": [(1.0219454868014033, 0.2, 10, 8e-05, "prv", 4.000159)],
+    "text_classifier": [(0.5112183957157338, 0.25, 4, 0.25, "prv", 1.002131)] * 3,
+    "advanced_features": [(1.0, 0.1, 10, 1e-05, "rdp", 3.441324)],
+    "grad_sampler_guide": [(1.0, 0.25, 4, 1e-05, "prv", 4.207155)],
+    "module_validator_guide": [(1.0, 0.25, 4, 1e-05, "prv", 4.207155)],
+    "image_classifier": [(0.6909376315032529, 0.25, 4, 1e-05, "prv", 7.995008)],
+    "mnist_secure_mode": [(1.0, 0.25, 4, 1e-05, "prv", 4.207155)],
+    "dcgan": [(1.0, 0.26666666666666666, 4, 1e-05, "prv", 4.397844)],
+}
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -173,7 +198,7 @@ def run_example(name: str, library: str, directory: Path) -> dict:
             f"g = runpy.run_path({str(path)!r}, init_globals={{'SETTINGS': {example.settings!r}}}, run_name='__main__'); "
             "print('SUMMARY ' + json.dumps(summarize(g['RESULT'])))"
         )
-        completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
         if completed.returncode != 0:
             raise RuntimeError(f"{name} ({library}) failed:\n{completed.stderr[-4000:]}")
         line = next(line for line in completed.stdout.splitlines() if line.startswith("SUMMARY "))
@@ -182,6 +207,15 @@ def run_example(name: str, library: str, directory: Path) -> dict:
         warnings.simplefilter("ignore")
         scope = runpy.run_path(str(path), init_globals={"SETTINGS": dict(example.settings)}, run_name="__main__")
     return summarize(scope["RESULT"])
+
+
+def _cases() -> list:
+    """Every example as a parameter, known failures on this engine marked xfail (not strict)."""
+    return [
+        pytest.param(example.name, marks=pytest.mark.xfail(reason=example.fails_here, strict=False))
+        if example.fails_here else example.name
+        for example in EXAMPLES
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +230,7 @@ def our_runs(tmp_path_factory):
                 cache[name] = run_example(name, "ours", directory)
             except pytest.skip.Exception:
                 raise
-            except Exception as error:  # re-raised by every test that needs this run
+            except Exception as error:  # noqa: BLE001  (kept and re-raised by every test that needs this run)
                 cache[name] = error
         if isinstance(cache[name], Exception):
             raise cache[name]
@@ -215,10 +249,22 @@ def test_only_the_import_lines_change(script):
     assert all(re.match(r"\s*(from|import)\s", a) for a, _ in changed)
     assert all("privacy_engine.opacus" in b for _, b in changed)
     assert len(original.splitlines()) == len(ours.splitlines())
-    assert not re.search(r"^\s*(from|import)\s+opacus\b", ours, flags=re.M)
+    assert not re.search(r"^\s*(from|import)\s+opacus\b", ours, flags=re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", [example.name for example in EXAMPLES])
+def test_the_readme_sed_line_is_the_rename_applied_here(tmp_path):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert SED_LINE in readme
+    if shutil.which("sed") is None:
+        pytest.skip("no sed on this machine")
+    for script in sorted(EXAMPLES_DIR.glob("*.py")):
+        target = tmp_path / "train.py"
+        target.write_text(script.read_text())
+        subprocess.run(shlex.split(SED_LINE), cwd=tmp_path, check=True)
+        assert target.read_text() == renamed(script.read_text()), script.name
+
+
+@pytest.mark.parametrize("name", _cases())
 def test_example_trains_on_our_engine(name, our_runs):
     summary = our_runs(name)
     for part in summary["parts"]:
@@ -254,14 +300,20 @@ def _check_specifics(name: str, summary: dict) -> None:
 
 
 def _opacus_epsilon(history: list, delta: float, mechanism: str) -> float:
-    from opacus.accountants import create_accountant
+    """Opacus's epsilon for these steps: its RDP accountant, or its PRV accountant (the default) with
+    eps_error 1e-3 (its default 0.01 is absolute: 1% of an epsilon of 1, this test's tolerance)."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
 
-    accountant = create_accountant(mechanism="rdp" if mechanism == "rdp" else "prv")
+    if mechanism == "rdp":
+        accountant = RDPAccountant()
+        accountant.history = [tuple(entry) for entry in history]
+        return float(accountant.get_epsilon(delta=delta))
+    accountant = PRVAccountant()
     accountant.history = [tuple(entry) for entry in history]
-    return float(accountant.get_epsilon(delta=delta))
+    return float(accountant.get_epsilon(delta=delta, eps_error=1e-3))
 
 
-@pytest.mark.parametrize("name", [example.name for example in EXAMPLES])
+@pytest.mark.parametrize("name", _cases())
 def test_epsilon_is_opacus_epsilon_for_the_same_steps(name, our_runs):
     summary = our_runs(name)
     for index, part in enumerate(summary["parts"]):
@@ -277,7 +329,7 @@ def test_epsilon_is_opacus_epsilon_for_the_same_steps(name, our_runs):
 
 
 @pytest.mark.skipif(not OPACUS_INSTALLED, reason="Opacus is not installed")
-@pytest.mark.parametrize("name", [example.name for example in EXAMPLES])
+@pytest.mark.parametrize("name", _cases())
 def test_original_runs_under_opacus_beside_ours(name, our_runs, tmp_path):
     example = BY_NAME[name]
     try:

@@ -1,3 +1,4 @@
+# ruff: noqa: C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial intro_to_advanced_features.ipynb: make_private, then its pieces by hand:
 GradSampleModule, forbid_accumulation_hook, DPDataLoader.from_data_loader, DPOptimizer with an
 RDPAccountant step hook, and a DPOptimizer subclass with Laplace noise (the processed-flag helpers).

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's examples/char-lstm-classification.py, small: the character-level name classifier with
 DPLSTM, DPGRU or DPRNN (``SETTINGS["mode"]``) on synthetic byte-encoded names of varying length,
 padded by the script's collate function. Only the privacy-library calls are kept verbatim."""

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's examples/cifar10.py, small: its convnet on synthetic 3x32x32 images, one process, with the
 script's grad_sample_mode (hooks, functorch, ew, no_op) and --clip_per_layer / --optim / --lr-schedule
 flags taken from SETTINGS. Only the privacy-library calls of the original are kept verbatim (imports

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's examples/dcgan.py, small: the DCGAN whose discriminator is trained privately (two
 forwards, real and fake, before one backward), its generator non-privately through the private
 discriminator, on synthetic 1x64x64 images. 60 images in batches of 16, so N is not a multiple of the

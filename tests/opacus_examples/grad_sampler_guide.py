@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408, UP035, UP006  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial guide_to_grad_sampler.ipynb: wrap a layer in GradSampleModule, register a grad
 sampler (for a custom linear layer here, so that the library's own nn.Linear sampler is left alone),
 check it with check_per_sample_gradients_are_correct, and train with it. The notebook's sampler reads

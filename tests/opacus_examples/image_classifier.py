@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial building_image_classifier.ipynb, small: a ResNet with BatchNorm (a two-stage
 ResNet-18-style network standing in for torchvision's resnet18, which is not a dependency), fixed with
 ModuleValidator, made private with make_private_with_epsilon and trained with BatchMemoryManager and

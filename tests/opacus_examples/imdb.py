@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's examples/imdb.py, small: the embedding-bag-style sentiment model on synthetic token-id
 reviews of varying length (dicts with "input_ids" and "label", as the tokenised dataset yields), with
 ``poisson_sampling=False`` as in the original. Only the privacy-library calls are kept verbatim."""

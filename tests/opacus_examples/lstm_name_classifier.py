@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial building_lstm_name_classifier.ipynb, small: a DPLSTM name classifier made private
 with make_private_with_epsilon, on synthetic byte-encoded names (a random_split Subset, padded by the
 notebook's collate function). The non-private comparison at the end of the notebook is left out (it

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's examples/mnist.py, small: SampleConvNet on synthetic 1x28x28 images, two runs (the second
 makes the loader the first run returned private again), as ``--n-runs 2``. Only the privacy-library
 calls of the original are kept verbatim; data, sizes and epochs are small."""

@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial guide_to_module_validator.ipynb: register BatchNorm validators and a fixer,
 then ModuleValidator.is_valid / validate / fix. The notebook shows the calls on nn.Linear only; here
 they also run on a small model with BatchNorm, which is then trained with make_private. The

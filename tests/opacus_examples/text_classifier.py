@@ -1,3 +1,4 @@
+# ruff: noqa: PLR0402, C408  (Opacus's code, kept as Opacus writes it)
 """Opacus's tutorial building_text_classifier.ipynb, small, all three parts: (1) BERT with its last
 encoder layer, pooler and classifier trainable, make_private_with_epsilon and BatchMemoryManager;
 (2) a fresh BERT with fast gradient clipping (grad_sample_mode="ghost"), made private on the loader
@@ -31,7 +32,7 @@ def bert_for_sequence_classification():
     return BertForSequenceClassification(config)
 
 
-num_examples = 48
+num_examples = 32
 input_ids = torch.randint(1, config.vocab_size, (num_examples, MAX_SEQ_LENGHT))
 attention_mask = torch.ones(num_examples, MAX_SEQ_LENGHT, dtype=torch.long)
 attention_mask[::3, -4:] = 0
