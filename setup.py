@@ -20,5 +20,6 @@ setup(
         "tutorials": ["scikit-learn", "matplotlib"],
         "benchmarks": ["opacus>=1.5"],
         "test": ["pytest", "hypothesis", "scikit-learn"],
+        "hf": ["transformers>=4.40", "peft>=0.10", "accelerate>=0.26"],
     },
 )

@@ -413,8 +413,8 @@ class Accountant(abc.ABC):
         return exact.get_epsilon(delta) > max_epsilon
 
     def __getstate__(self) -> dict[str, Any]:
-        # Copies and pickles carry the ledger, not the cache (it is rebuilt on demand, and a
-        # shared cache between independent copies would be wrong).
+        # Copies and pickles carry the ledger, not the cache: it is rebuilt on demand, and its
+        # distributions (megabytes on the default PLD grid) have no place in a copy or a file.
         state = dict(self.__dict__)
         state["_history"] = list(self._history)
         state["_composed"] = None

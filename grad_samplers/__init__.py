@@ -8,11 +8,11 @@ from grad_samplers import (
     conv,  # noqa: F401  (registers nn.Conv1d/2d/3d)
     conv_transpose,  # noqa: F401  (registers nn.ConvTranspose1d/2d/3d)
     embedding,  # noqa: F401  (registers nn.Embedding, nn.EmbeddingBag)
+    hf_conv1d,  # registers transformers' Conv1D lazily (register_optional_samplers)
     linear,  # noqa: F401  (registers nn.Linear)
     normalization,  # noqa: F401  (registers LayerNorm, GroupNorm, InstanceNorm*, RMSNorm)
     rnn,  # noqa: F401  (registers own forwards for nn.LSTM, nn.GRU, nn.RNN)
 )
-from grad_samplers import hf_conv1d
 from grad_samplers.registry import (
     ENTRY_POINT_GROUP,
     grad_sampler_for,
@@ -24,7 +24,6 @@ from grad_samplers.registry import (
     registered_grad_samplers,
     weighted_sum_sampler_for,
 )
-
 
 
 def register_optional_samplers() -> None:

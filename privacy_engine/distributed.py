@@ -219,6 +219,8 @@ class DistributedJob:
 
     def all_reduce_sum_(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Sum ``tensors`` over the ranks, in place: one flat all-reduce per (device, dtype)."""
+        if self.world_size == 1:
+            return  # a job of one rank: the sum is already complete
         start = time.perf_counter()
         buckets: dict[tuple, list[torch.Tensor]] = {}
         for tensor in tensors:

@@ -29,12 +29,11 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
 from privacy_engine.validation import Problem, UnsupportedModuleError, find_all_problems, module_label, module_problems
 
@@ -346,8 +345,8 @@ class ModuleValidator:
     registered fixer.
     """
 
-    VALIDATORS: dict[type, Callable[..., list]] = {}
-    FIXERS: dict[type, Callable[..., nn.Module]] = {}
+    VALIDATORS: ClassVar[dict[type, Callable[..., list]]] = {}
+    FIXERS: ClassVar[dict[type, Callable[..., nn.Module]]] = {}
 
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False) -> list[UnsupportedModuleError]:

@@ -65,9 +65,9 @@ from grad_samplers.linear import linear_squared_norms, linear_weighted_sums
 from grad_samplers.registry import GradSampler
 from privacy_engine.grad_sample_module import (
     _HOOKED_MODULES,
-    _expand_batch,
     GradSampleModule,
     ParameterUsageError,
+    _expand_batch,
 )
 from privacy_engine.step_contract import register_wrapper
 from privacy_engine.validation import module_label
@@ -454,6 +454,7 @@ class GhostClippingModule(GradSampleModule):
                     f"ghost clipping: {module_label(path)} ({type(layer).__name__}) returned "
                     f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
                 )
+            self._check_called_through_wrapper(path)
             broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
             activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             if broadcast_to is not None:
@@ -707,6 +708,7 @@ class GhostClippingModule(GradSampleModule):
         )
 
     def _finish_pass(self) -> None:
+        self._awaiting_backward = False
         state, self._pass = self._pass, None
         padding_mask, self._padding_mask = self._padding_mask, None
         if state is None or state.batch is None:
@@ -728,7 +730,10 @@ class GhostClippingModule(GradSampleModule):
             squared = dict(state.squared_norms)
             for param, grads in state.materialised.items():
                 # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
-                materialised_squared = torch.linalg.vector_norm(grads.flatten(1), dim=1).square()
+                # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D. Float32 at least.
+                materialised_squared = torch.linalg.vector_norm(
+                    grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=torch.promote_types(grads.dtype, torch.float32)
+                ).square()
                 previous = squared.get(param)
                 squared[param] = materialised_squared if previous is None else previous + materialised_squared
             self._check_known(squared)

@@ -63,7 +63,15 @@ class GradSampleModule(nn.Module):
     a layer in eval, wrapper train  captured as usual (BatchNorm with frozen statistics)
     BatchNorm in training mode      ``UnsupportedModuleError`` (use GroupNorm)
     Embedding max_norm / sparse     ``UnsupportedModuleError``
-    batch sizes differ in forward   ``ValueError`` naming both modules
+    a layer's output has 1 example  shared by every example (position embeddings with
+    in a forward of B examples      ``position_ids`` (1, T)): expanded to B, exact
+                                    (see ``_note_batch_size``)
+    other batch-size differences    ``ValueError`` naming both modules
+    0-dim parameter                 ``grad_sample`` of shape ``(batch,)``
+    custom autograd.Function in a   ``UnsupportedModuleError`` naming the module (add
+    fallback module, without vmap   ``setup_context`` / vmap support)
+    model called directly, not      ``RuntimeError`` at the first hooked layer
+    through the wrapper (training)
     sampler returns a wrong shape   ``RuntimeError`` naming the sampler and module
     backward twice on one forward   ``RuntimeError`` (inputs were freed after use)
     empty batch (Poisson sampling)  ``grad_sample`` of shape ``(0, *p.shape)``
@@ -142,6 +150,7 @@ class GradSampleModule(nn.Module):
         self._forward_ticket = None  # the batch of the newest training forward
         self._grad_sample_ticket = None  # the batch whose completed backward passes fill grad_sample
         self._backward_running = False
+        self._awaiting_backward = False  # a forward on a drawn batch ran and its backward has not
         self._owner_paths: Dict[nn.Parameter, str] = {}
         self._in_forward = False
         self._inside_fallback = False
@@ -276,7 +285,8 @@ class GradSampleModule(nn.Module):
         if batch_size is None:
             return  # nothing trainable ran (every layer frozen): no per-sample gradients to tie
         previous = self._forward_ticket
-        ticket = contract.resolve(args, kwargs, batch_size)
+        ticket = contract.resolve(args, kwargs, batch_size, join_pending=self._awaiting_backward)
+        self._awaiting_backward = ticket.tracked
         self._check_second_pass(ticket)
         if previous is not None and not ticket.same_rows(previous):
             if self._grad_sample_ticket is None and not contract.already_contributed(previous):
@@ -326,6 +336,7 @@ class GradSampleModule(nn.Module):
 
     def _backward_done(self) -> None:
         self._backward_running = False
+        self._awaiting_backward = False
         if self._consumer is not None:
             # No wrapper forward since the last step (the inner module was called directly): an untracked
             # batch, which the optimizer refuses to release when it has a private loader.
@@ -393,6 +404,12 @@ class GradSampleModule(nn.Module):
         model was called directly (a training framework holding the unwrapped model, e.g. a plain HF
         Trainer), and that forward's batch is not the one the private loader drew and accounted for."""
         if not self._in_forward and not self._released:
+            if torch._C._current_autograd_node() is not None:
+                raise RuntimeError(
+                    f"{module_label(path)} ran a forward during a backward pass: activation checkpointing (which "
+                    f"recomputes forwards in backward) is not supported with per-sample gradients. Turn it off "
+                    f"(Hugging Face: model.gradient_checkpointing_disable())."
+                )
             raise RuntimeError(
                 f"{module_label(path)} ran a training forward (training mode, gradients on) without going through "
                 f"its {type(self).__name__}: the wrapped model was called directly. Call the wrapper make_private "
@@ -843,7 +860,7 @@ def strip_wrapper_prefix(state_dict, module: nn.Module):
     keys = list(state_dict.keys())
     if not keys or not all(key.startswith(WRAPPER_PREFIX) for key in keys):
         return state_dict
-    if any(key.startswith(WRAPPER_PREFIX) for key in module.state_dict().keys()):
+    if any(key.startswith(WRAPPER_PREFIX) for key in module.state_dict()):
         return state_dict
     stripped = OrderedDict((key[len(WRAPPER_PREFIX) :], value) for key, value in state_dict.items())
     metadata = getattr(state_dict, "_metadata", None)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from privacy_engine import noise_prefetch
 from privacy_engine.interrupts import deferred_keyboard_interrupt
 from privacy_engine.secure_random import full_entropy_generator
 from privacy_engine.strategy import validated_coefficients
@@ -91,6 +92,12 @@ class _DeviceGroup:
     history: torch.Tensor | None = None  # BandMF ring buffer, shape (b - 1, numel)
     ring_weights: torch.Tensor | None = None  # row p: coefficients rotated for ring position p
     noise_views: list[torch.Tensor] = field(default_factory=list)
+    # The next step's draw, made ahead on a background thread (privacy_engine.noise_prefetch): its buffer,
+    # views of it, secure-mode scratch, and the copies of the generators it is drawn from.
+    next_noise: torch.Tensor | None = None
+    next_views: list[torch.Tensor] = field(default_factory=list)
+    next_scratch: torch.Tensor | None = None
+    shadow_generators: list[torch.Generator] = field(default_factory=list)
 
 
 class NoiseMechanism(abc.ABC):
@@ -126,9 +133,14 @@ class NoiseMechanism(abc.ABC):
             ``None``: one draw from torch's global generator (so ``torch.manual_seed`` makes the
             run reproducible, as with Opacus), recorded in ``state_dict`` for resuming.
         secure_mode: OS entropy only (a user ``seed`` raises ``ValueError``), as described above.
+        prefetch: draw the next step's noise on a background thread while the current step's
+            forward and backward passes run (CPU tensors only; one more flat buffer per device).
+            ``None``: when torch's intra-op threads leave one of the process's cores free; ``True``:
+            always; ``False``: never. The noise added is bit for bit the same either way
+            (``privacy_engine.noise_prefetch``).
     """
 
-    def __init__(self, *, seed: int | None = None, secure_mode: bool = False) -> None:
+    def __init__(self, *, seed: int | None = None, secure_mode: bool = False, prefetch: bool | None = None) -> None:
         if secure_mode and seed is not None:
             raise ValueError(
                 "seed must be None when secure_mode=True: secure mode draws its seeds from OS "
@@ -139,6 +151,9 @@ class NoiseMechanism(abc.ABC):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         if seed is not None and seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
+        self.prefetch = prefetch
         self.secure_mode = bool(secure_mode)
         # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
         # torch.manual_seed alone makes a run reproducible (never in secure mode).
@@ -149,6 +164,14 @@ class NoiseMechanism(abc.ABC):
         self._groups: list[_DeviceGroup] = []
         self._pending_devices: list[dict[str, Any]] | None = None
         self._pending_signature: list | None = None
+        self._draws_ahead: dict[int, noise_prefetch.PendingDraw] = {}  # id(device group) -> next step's draw
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A draw running in the background is not part of the state (a copy draws in place).
+        self._wait_for_draws_ahead()
+        state = dict(self.__dict__)
+        state["_draws_ahead"] = {}
+        return state
 
     # ------------------------------------------------------------------ public interface
     def restart_layout(self) -> None:
@@ -163,6 +186,8 @@ class NoiseMechanism(abc.ABC):
         """
         self._layout_restarts += 1
         self._signature = None
+        self._wait_for_draws_ahead()
+        self._draws_ahead = {}
         self._groups = []
         if hasattr(self, "_ring_position"):
             self._ring_position = 0
@@ -249,6 +274,8 @@ class NoiseMechanism(abc.ABC):
                     for generator, state in zip(group.generators, states):
                         generator.set_state(state)
             raise
+        if drawn and self._prefetching():
+            self._draw_ahead(std)
 
     def _commit(self, drawn: bool) -> None:
         """Make this step's noise part of the state (the only place a step changes it)."""
@@ -609,15 +636,49 @@ class NoiseMechanism(abc.ABC):
             group.ring_weights = self._make_ring_weights(group.dtype, group.device)
 
     def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
-        if not self.secure_mode:
-            group.noise.normal_(0.0, std, generator=group.generators[0])
+        """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is
+        exactly what drawing now gives (the generators then move on as drawing would have moved them), else
+        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both)."""
+        ahead = self._draws_ahead.pop(id(group), None)
+        if ahead is not None and ahead.wait() and ahead.buffer is group.next_noise and ahead.matches(group.generators, std):
+            group.noise, group.next_noise = group.next_noise, group.noise
+            group.noise_views, group.next_views = group.next_views, group.noise_views
+            for generator, shadow in zip(group.generators, ahead.shadows):
+                generator.set_state(shadow.get_state())
             return
-        # Sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
-        part_std = std / math.sqrt(len(group.generators))
-        group.noise.normal_(0.0, part_std, generator=group.generators[0])
-        for generator in group.generators[1:]:
-            group.secure_scratch.normal_(0.0, part_std, generator=generator)
-            group.noise.add_(group.secure_scratch)
+        # Secure mode: the sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
+        noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode)
+
+    # ------------------------------------------------------------------ drawing ahead (noise_prefetch)
+    def _prefetching(self) -> bool:
+        return self.prefetch is True or (self.prefetch is None and noise_prefetch.spare_core())
+
+    def _draw_ahead(self, std: float) -> None:
+        """Start drawing the next step's noise (at this step's std) for every CPU device, in the background."""
+        for group in self._groups:
+            if group.device.type != "cpu" or id(group) in self._draws_ahead or group.noise is None:
+                continue
+            if group.next_noise is None:
+                group.next_noise = torch.empty_like(group.noise)
+                group.next_views = [
+                    group.next_noise[view.storage_offset() : view.storage_offset() + view.numel()].view(view.shape)
+                    for view in group.noise_views
+                ]
+                if self.secure_mode:
+                    group.next_scratch = torch.empty_like(group.noise)
+                group.shadow_generators = [torch.Generator(device=group.device) for _ in group.generators]
+            states = [generator.get_state() for generator in group.generators]
+            for shadow, state in zip(group.shadow_generators, states):
+                shadow.set_state(state)
+            future = noise_prefetch.submit(noise_prefetch.draw_standard_noise, group.next_noise, group.next_scratch,
+                                           group.shadow_generators, std, self.secure_mode)  # fmt: skip
+            self._draws_ahead[id(group)] = noise_prefetch.PendingDraw(
+                buffer=group.next_noise, std=std, start_states=states, shadows=group.shadow_generators, future=future
+            )
+
+    def _wait_for_draws_ahead(self) -> None:
+        for ahead in getattr(self, "_draws_ahead", {}).values():
+            ahead.wait()
 
     @staticmethod
     def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float) -> None:
@@ -779,6 +840,7 @@ class BandMFNoise(NoiseMechanism):
         seed: int | None = None,
         secure_mode: bool = False,
         column_normalize_for_steps: int | None = None,
+        prefetch: bool | None = None,
     ) -> None:
         if isinstance(coefficients, torch.Tensor):
             coefficients = coefficients.detach().cpu().double().numpy()
@@ -792,7 +854,7 @@ class BandMFNoise(NoiseMechanism):
                 "column_normalize_for_steps must be None or a positive int (the number of steps "
                 f"of the run), got {column_normalize_for_steps!r}"
             )
-        super().__init__(seed=seed, secure_mode=secure_mode)
+        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch)
         self.column_normalize_for_steps = (
             None if column_normalize_for_steps is None else int(column_normalize_for_steps)
         )

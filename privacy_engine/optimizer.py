@@ -337,6 +337,8 @@ class DPOptimizer(Optimizer):
     def accumulate_pass(self, ticket: BatchTicket) -> None:
         """Clip one completed backward pass's per-sample gradients (``grad_sample``) with its own
         batch's padding mask, and note the batch as part of the open step."""
+        if not self._has_grad_samples():
+            return  # dropped since (zero_grad): nothing of this pass is released
         padding_mask = ticket.mask() if ticket.tracked else self.current_padding_mask()
         self.clipper.clip_and_accumulate(padding_mask=padding_mask)
         self.contract.contributed(ticket)
@@ -406,26 +408,33 @@ class DPOptimizer(Optimizer):
             step_kwargs = self._accounting_kwargs(release, rows)
             if self.budget is not None:
                 self.budget.check_release(self.accountant, **step_kwargs)
+            step_kwargs.pop("num_steps", None)
             for _ in range(rows - 1):
                 # BandMF rows of batches the loop drew and never released: drawn and discarded, so each
-                # released batch gets the noise row of its own step (and its group's min-separation).
+                # released batch gets the noise row of its own step (and its group's min-separation). Each
+                # such row is counted (in its own commit): participations never exceed ceil(rows / b).
                 self.noise.add_noise_([torch.zeros_like(g) for g in grads], self.noise_multiplier,
-                                      self.clipper.sensitivity)  # fmt: skip
-            self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity)
+                                      self.clipper.sensitivity,
+                                      on_commit=lambda: self.accountant is None or self.accountant.step(**step_kwargs))  # fmt: skip
+
+            def record() -> None:
+                # Runs inside the noise step's commit: the step is recorded if and only if its noise
+                # state advances. Every released step is recorded, an empty batch's too: its noise was
+                # drawn for a batch that could have held any example.
+                if self.accountant is not None:
+                    self.accountant.step(**step_kwargs)
+                self.steps_taken += 1
+                self.contract.released(release, loader_step)
+
+            self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity, on_commit=record)
         except BaseException:
             # The .grad tensors hold the un-noised clipped sum: never leave it where a later
             # optimizer step could use it.
             for param in params:
                 param.grad = None
             raise
-        self.steps_taken += 1
-        self.contract.released(release, loader_step)
         for module in self.contract.modules:
             module._forward_ticket = None  # a later backward must come from a new forward
-        if self.accountant is not None:
-            # Every released step is recorded, an empty batch's too: its noise was drawn for a
-            # batch that could have held any example.
-            self.accountant.step(**step_kwargs)
         if self.loss_reduction == "mean":
             # Divide by the expected batch size, not the realised one: the realised size depends
             # on which examples were sampled, and dividing by it would release that number
@@ -517,7 +526,11 @@ class DPOptimizer(Optimizer):
             if getattr(param, "grad_sample", None) is not None:
                 param.grad_sample = None
         if not self._in_logical_step:
+            # Everything gathered for the open step is dropped: nothing of it is released or counted.
             self.clipper.reset()
+            self.contract.discard()
+            for module in self.contract.modules:
+                module._grad_sample_ticket = None
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def discard_logical_step(self) -> None:

@@ -48,7 +48,10 @@ prefetcher / ``list(loader)``               tickets travel on the tensors; copie
                                             by order and size; an ambiguous match that would change
                                             the padding or the group raises ``RuntimeError``
 a batch from another source than the        ``RuntimeError`` at ``step()`` (it was not drawn by the
-private loader                              accounted sampling)
+private loader                              accounted sampling), unless it ran before the backward of a
+                                            drawn batch of the same size: then it holds other inputs
+                                            of those examples (a GAN's generated batch), row i joined
+                                            to example i and clipped with it
 a batch released after a later one         ``RuntimeError`` (BandMF rows must increase)
 ==========================================  ==========================================================
 """
@@ -330,11 +333,14 @@ class StepContract:
         return list(self._modules)
 
     # ---------------------------------------------------------------------------------------- forward
-    def resolve(self, args: tuple, kwargs: Mapping, batch_size: int) -> BatchTicket:
+    def resolve(self, args: tuple, kwargs: Mapping, batch_size: int, *, join_pending: bool = False) -> BatchTicket:
         """The batch a training forward of ``batch_size`` examples runs on (see the module docstring):
         the ticket on its input tensors; else the same batch as the previous forward if it gets the same
         input tensor; else the next slice of a batch being split; else the oldest queued batch of that
-        size; else an untracked batch (data no private loader drew)."""
+        size; else, when ``join_pending`` (the previous forward ran on a drawn batch whose backward has
+        not run yet), the same examples (other inputs for them: a GAN discriminator's generated batch,
+        row i joined to example i and clipped with it); else an untracked batch (data no private loader
+        drew)."""
         first_input = next(iter(_tensors([args, kwargs])), None)
         ticket = find_ticket(args, kwargs)
         if ticket is not None:
@@ -357,6 +363,10 @@ class StepContract:
             if ticket is None:
                 candidates = [t for queue in self._queues for t in queue]
                 ticket = self._match_queued(candidates, batch_size) if candidates else None
+            current = self.current
+            if ticket is None and join_pending and current is not None and current.tracked:
+                if current.rows[1] - current.rows[0] == batch_size:
+                    ticket = current
             if ticket is None:
                 ticket = BatchTicket(loader_step=None, size=batch_size)
                 self._slice_end = None

@@ -642,8 +642,6 @@ def test_an_exception_inside_the_optimizer_step_leaves_noise_ledger_and_model_as
     assert all(p.grad is None for p in model.parameters())  # the un-noised clipped sum is not left behind
 
 
-@pytest.mark.xfail(strict=True, reason="DPOptimizer.pre_step records the release after add_noise_ has committed the "
-                   "noise step; passing the recording as add_noise_(..., on_commit=...) makes this pass")
 def test_a_failure_while_recording_the_release_undoes_the_noise_step(monkeypatch):
     engine, model, optimizer, loader = make_run(mechanism="bandmf", seed=1, train_steps=2)
     inputs, targets = next(iter(loader))

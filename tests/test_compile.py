@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
+from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from torch import nn
 
-from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from privacy_engine import GradSampleModule, PerSampleGradientClipper
 
 pytestmark = pytest.mark.skipif(

@@ -239,7 +239,7 @@ BAD_CALLS = [
     (_unchanged, {"max_grad_norm": [1.0, 1.0]}, TypeError, "per_layer"),
     (_unchanged, {"clipping": "adaptive"}, ValueError, "clipping"),
     (_unchanged, {"loss_reduction": "none"}, ValueError, "loss_reduction"),
-    (_unchanged, {"grad_sample_mode": "ew"}, ValueError, "grad_sample_mode"),
+    (_unchanged, {"grad_sample_mode": "ghost_fsdp"}, ValueError, "grad_sample_mode"),
     (_unchanged, {"noise_seed": -3}, ValueError, "noise_seed"),
     (_unchanged, {"noise_mechanism": "laplace"}, ValueError, "noise_mechanism"),
 ]

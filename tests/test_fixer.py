@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_matches_reference, per_example_reference
 from torch import nn
 
-from conftest import assert_matches_reference, per_example_reference
 from privacy_engine import GradSampleModule, ModuleValidator, fix_module
 from privacy_engine.fixer import (
     IllegalModuleConfigurationError,

@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
+from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from torch import nn
 
-from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from privacy_engine import GradSampleModule, PerSampleGradientClipper
 
 BATCH, SEQ, VOCAB, LABELS = 4, 8, 50, 3  # BATCH a power of two: scaling a float32 loss by it is exact
@@ -211,7 +211,8 @@ def test_conv1d_samplers_agree_with_per_example_loop() -> None:
     assert grad_sampler_for(layer) is conv1d_grad_sample
     wrapped(x).pow(2).sum().mul(1.0 / 4).backward()
     assert_matches_reference(layer, reference)
-    grads = 2 * layer(x).detach()
+    with torch.no_grad():
+        grads = 2 * layer(x)
     norms = conv1d_norm_sample(layer, (x,), grads)
     weights = torch.rand(4, dtype=torch.float64)
     sums = conv1d_weighted_sum(layer, (x,), grads, weights)
@@ -332,7 +333,7 @@ def test_gpt2_uses_the_conv1d_sampler_and_ties_embeddings() -> None:
     from grad_samplers import grad_sampler_for
     from grad_samplers.hf_conv1d import conv1d_grad_sample
 
-    model, batch, _ = _family("gpt2")
+    model, _, _ = _family("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
     GradSampleModule(model)
     assert grad_sampler_for(model.transformer.h[0].attn.c_attn) is conv1d_grad_sample
@@ -397,3 +398,13 @@ def test_hf_model_trains_under_dp(family: str, mode: str) -> None:
     assert steps >= 2
     assert all(not torch.equal(before[name], p) for name, p in model.named_parameters() if p.requires_grad)
     assert engine.get_epsilon(delta=1e-5) > 0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_activation_checkpointing_is_refused_clearly(mode: str) -> None:
+    model, batch, _ = _family("bert")
+    model.gradient_checkpointing_enable()
+    clipper = PerSampleGradientClipper([p for p in model.parameters() if p.requires_grad], max_grad_norm=1.0)
+    wrapped = GradSampleModule(model, grad_sample_mode=mode, **({"clipper": clipper} if mode == "ghost" else {}))
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        wrapped(**batch).loss.backward()

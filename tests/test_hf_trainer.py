@@ -8,8 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from privacy_engine import DPDataLoader, DPOptimizer, PrivacyEngine  # noqa: E402
-from privacy_engine.integrations.hf_trainer import DPTrainer  # noqa: E402
+from privacy_engine import DPDataLoader, DPOptimizer, PrivacyEngine
+from privacy_engine.integrations.hf_trainer import DPTrainer
 
 NUM_EXAMPLES, SEQ, VOCAB = 48, 8, 40
 
@@ -40,10 +40,10 @@ def _model():
 
 
 def _arguments(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-    )
+    settings = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_train_epochs": 1, "learning_rate": 1e-2,
+        "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True, "disable_tqdm": True, "seed": 0,
+    }  # fmt: skip
     settings.update(overrides)
     return transformers.TrainingArguments(**settings)
 
@@ -110,7 +110,8 @@ def test_dp_trainer_refuses_what_the_accounting_does_not_cover(tmp_path) -> None
 
 
 def test_plain_trainer_with_a_private_optimizer_is_refused(tmp_path) -> None:
-    """Trainer's own shuffled batches are not the ones the accountant records: the step is refused."""
+    """Trainer's own shuffled batches are not the ones the accountant records, and it calls the unwrapped
+    model: the first training forward is refused, naming DPTrainer."""
     model = _model()
     dataset = TokenDataset()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -120,5 +121,5 @@ def test_plain_trainer_with_a_private_optimizer_is_refused(tmp_path) -> None:
     )
     trainer = transformers.Trainer(model=model, args=_arguments(tmp_path), train_dataset=dataset,
                                    optimizers=(private_optimizer, None))  # fmt: skip
-    with pytest.raises(RuntimeError, match="private loader did not draw"):
+    with pytest.raises(RuntimeError, match="without going through its GradSampleModule.*DPTrainer"):
         trainer.train()

@@ -565,3 +565,19 @@ def test_accountant_history_keeps_one_entry_per_source():
     accountant.step(noise_multiplier=1.0, sample_rate=0.1, source="b")
     accountant.step(noise_multiplier=1.0, sample_rate=0.1, source="a")
     assert [(e.source, e.num_steps) for e in accountant.history] == [("a", 2), ("b", 1)]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_generated_inputs_before_the_backward_of_a_drawn_batch_are_joined_to_its_examples(mode):
+    # A GAN discriminator: the real batch and a generated (public) batch of the same size, one backward.
+    engine, model, wrapped, optimizer, loader = private(mode)
+    x, y = next(iter(loader))
+    fake = torch.randn_like(x)
+    before = snapshot(model)
+    out_real, out_fake = wrapped(x), wrapped(fake)
+    (nn.functional.cross_entropy(out_real, y) + nn.functional.cross_entropy(out_fake, y)).backward()
+    optimizer.step()
+    assert engine.accountant.steps == 1 and engine.accountant.history[0].batches_per_step == 1
+    # each example i's contribution (real_i + fake_i) is clipped as one: the update is at most C per example
+    moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    assert float(moved.norm()) * 8 <= 8 * 0.5 * (1 + 1e-9)

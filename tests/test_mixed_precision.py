@@ -13,9 +13,9 @@ import copy
 
 import pytest
 import torch
+from conftest import per_example_reference
 from torch import nn
 
-from conftest import per_example_reference
 from privacy_engine import GradSampleModule, ParameterUsageError, PerSampleGradientClipper
 
 HALF = [torch.bfloat16, torch.float16]

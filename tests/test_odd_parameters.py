@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from torch import nn
 
-from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from privacy_engine import GradSampleModule, ParameterUsageError, PerSampleGradientClipper, UnsupportedModuleError
 
 
@@ -54,7 +54,7 @@ def test_zero_dim_parameter_per_sample_gradients_exact(model_index: int) -> None
     wrapped = GradSampleModule(model)
     _loss(wrapped(x), target).backward()  # raised IndexError in the first-backward check
     assert_matches_reference(model, reference)
-    temperature = dict(model.named_parameters())[[n for n, p in model.named_parameters() if p.dim() == 0][0]]
+    temperature = dict(model.named_parameters())[next(n for n, p in model.named_parameters() if p.dim() == 0)]
     assert temperature.grad_sample.shape == (6,)
 
 

@@ -30,6 +30,7 @@ from privacy_engine.opacus.layers import DPMultiheadAttention
 from privacy_engine.opacus.optimizers import DPOptimizer
 from privacy_engine.opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from privacy_engine.opacus.utils.per_sample_gradients_utils import check_per_sample_gradients_are_correct
+from privacy_engine.validation import UnsupportedModuleError
 from privacy_engine.virtual_steps import VirtualSteps
 
 OPACUS_INSTALLED = importlib.util.find_spec("opacus") is not None
@@ -153,6 +154,23 @@ def test_accountant_hook_records_each_step_like_opacus():
     assert accountant.get_epsilon(delta=1e-5) == reference.get_epsilon(1e-5)
     epsilon, order = accountant.get_privacy_spent(delta=1e-5)
     assert epsilon == reference.get_epsilon(1e-5) and order > 1
+
+
+def test_accountant_hook_records_accumulated_batches_as_one_release_of_several_draws():
+    torch.manual_seed(0)
+    model = GradSampleModule(nn.Linear(5, 2))
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=10)  # fmt: skip
+    accountant = PRVAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=0.25))
+    batches = iter(DPDataLoader.from_data_loader(DataLoader(make_data(), batch_size=10)))
+    for _ in range(2):  # Opacus's hook would record sample rate 0.25 * accumulated_iterations
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    (entry,) = accountant.history
+    assert (entry.num_steps, entry.sample_rate, entry.batches_per_step) == (1, 0.25, 2)
+    assert optimizer.accumulated_iterations == 2
 
 
 def test_accountant_hook_on_an_optimizer_that_records_itself_counts_nothing_twice():
@@ -398,6 +416,17 @@ def test_get_noise_multiplier_meets_the_target():
     assert 1.9 < accountant.get_epsilon(1e-5) <= 2.0
     with pytest.raises(ValueError, match="exactly one"):
         get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.01)
+
+
+def test_opacus_model_checks_on_the_engine():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    engine = PrivacyEngine()
+    assert not engine.is_compatible(module=model, optimizer=None, data_loader=None)
+    with pytest.raises(UnsupportedModuleError, match="BatchNorm"):
+        engine.validate(module=model, optimizer=None, data_loader=None)
+    fixed = PrivacyEngine.get_compatible_module(model)
+    assert engine.is_compatible(module=fixed, optimizer=None, data_loader=None)
+    assert isinstance(fixed[1], nn.GroupNorm) and isinstance(model[1], nn.BatchNorm2d)  # a fixed copy
 
 
 def test_the_compat_engine_returns_opacus_classes():

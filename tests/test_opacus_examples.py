@@ -22,15 +22,14 @@ mnist in secure mode: Opacus needs torchcsprng).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import json
 import math
 import re
 import runpy
 import shlex
 import shutil
 import subprocess
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,6 @@ class Example:
     script: str
     settings: dict = field(default_factory=dict)
     needs: tuple[str, ...] = ()
-    own_process: bool = False  # registers validators globally: run in a fresh interpreter
     opacus_fails: str | None = None  # why the original fails under Opacus 1.6
     training_cases: int = 1
     fails_here: str | None = None  # a known failure on this engine (xfail, not strict), with its reason
@@ -72,16 +70,14 @@ EXAMPLES = [
     Example("imdb", "imdb"),
     Example("lstm_name_classifier", "lstm_name_classifier"),
     Example("text_classifier", "text_classifier", needs=("transformers", "peft"), training_cases=3),
-    Example("advanced_features", "advanced_features"),
+    Example("advanced_features", "advanced_features",
+            opacus_fails="the tutorial imports opacus.privacy_engine.forbid_accumulation_hook, absent from Opacus 1.6"),
     Example("grad_sampler_guide", "grad_sampler_guide"),
-    Example("module_validator_guide", "module_validator_guide", own_process=True, training_cases=0),
+    Example("module_validator_guide", "module_validator_guide", training_cases=0),
     Example("image_classifier", "image_classifier", training_cases=0,
             opacus_fails="Opacus 1.6 hooks break on ReLU(inplace=True) after a hooked layer (ResNet)"),
     Example("dcgan", "dcgan", training_cases=0,
-            opacus_fails="Opacus 1.6 hooks break on LeakyReLU(inplace=True) after a hooked layer",
-            fails_here="the step contract (issue 8) refuses a backward through two forwards on different batches; "
-                       "dcgan's discriminator sees the real batch and a generated one (no private data) before "
-                       "one backward"),
+            opacus_fails="Opacus 1.6 hooks break on LeakyReLU(inplace=True) after a hooked layer"),
     Example("mnist_secure_mode", "mnist", {"secure_rng": True}, training_cases=0,
             opacus_fails="Opacus 1.6's secure mode needs the torchcsprng package"),
 ]
@@ -158,7 +154,7 @@ def _summarize_part(part: dict) -> dict:
 
 
 def summarize(result: dict) -> dict:
-    """What the tests check, as plain data (also across a process boundary)."""
+    """What the tests check, as plain data."""
     parts = result.get("parts") or [result]
     summary = {"parts": [_summarize_part(part) for part in parts]}
     for key, value in result.items():
@@ -179,6 +175,34 @@ def summarize(result: dict) -> dict:
     return summary
 
 
+def _registries() -> list[dict]:
+    """The global tables an example may register into (grad samplers, module validators and fixers),
+    this engine's and, when installed, Opacus's."""
+    from grad_samplers import registry
+    from privacy_engine.fixer import ModuleValidator
+
+    tables = [registry._GRAD_SAMPLERS, registry._NORM_SAMPLERS, ModuleValidator.VALIDATORS, ModuleValidator.FIXERS]
+    if OPACUS_INSTALLED:
+        from opacus.grad_sample import GradSampleModule as OpacusGradSampleModule
+        from opacus.validators import ModuleValidator as OpacusModuleValidator
+
+        tables += [OpacusGradSampleModule.GRAD_SAMPLERS, OpacusModuleValidator.VALIDATORS, OpacusModuleValidator.FIXERS]
+    return tables
+
+
+@contextlib.contextmanager
+def _registries_restored():
+    """Run an example, then put every registry back as it was (the guides register into them)."""
+    tables = _registries()
+    saved = [dict(table) for table in tables]
+    try:
+        yield
+    finally:
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
+
+
 def run_example(name: str, library: str, directory: Path) -> dict:
     """Run example ``name`` under ``library`` ("ours": imports renamed; "opacus": as written) as a
     script (``python script.py`` would run it the same way) and return ``summarize`` of its result."""
@@ -190,20 +214,7 @@ def run_example(name: str, library: str, directory: Path) -> dict:
         source = renamed(source)
     path = directory / f"{example.name}_{library}.py"
     path.write_text(source)
-    if example.own_process:
-        code = (
-            "import json, runpy, sys, warnings; warnings.simplefilter('ignore'); "
-            f"sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "from test_opacus_examples import summarize; "
-            f"g = runpy.run_path({str(path)!r}, init_globals={{'SETTINGS': {example.settings!r}}}, run_name='__main__'); "
-            "print('SUMMARY ' + json.dumps(summarize(g['RESULT'])))"
-        )
-        completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
-        if completed.returncode != 0:
-            raise RuntimeError(f"{name} ({library}) failed:\n{completed.stderr[-4000:]}")
-        line = next(line for line in completed.stdout.splitlines() if line.startswith("SUMMARY "))
-        return json.loads(line[len("SUMMARY ") :])
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _registries_restored():
         warnings.simplefilter("ignore")
         scope = runpy.run_path(str(path), init_globals={"SETTINGS": dict(example.settings)}, run_name="__main__")
     return summarize(scope["RESULT"])
@@ -336,7 +347,8 @@ def test_original_runs_under_opacus_beside_ours(name, our_runs, tmp_path):
         theirs = run_example(name, "opacus", tmp_path)
     except Exception as error:
         if example.opacus_fails:
-            pytest.xfail(f"{example.opacus_fails} ({type(error).__name__}); it runs on this engine")
+            here = "it runs on this engine" if example.fails_here is None else "it fails here too (see above)"
+            pytest.xfail(f"{example.opacus_fails} ({type(error).__name__}); {here}")
         raise
     ours = our_runs(name)
     for our_part, their_part in zip(ours["parts"], theirs["parts"]):

@@ -91,9 +91,13 @@ def standard_library_lines(module_names) -> dict[str, set[str]]:
                 comment = text.lstrip("#").strip()
                 if len(comment.split()) >= 5:
                     lines["comment"].add(comment)
-            elif len(text.split()) >= 3 and text not in docstring_lines and not text.startswith(('"', "'")):
-                if re.search(r"[=():\[\]]", text):
-                    lines["code"].add(text)
+            elif (
+                len(text.split()) >= 3
+                and text not in docstring_lines
+                and not text.startswith(('"', "'"))
+                and re.search(r"[=():\[\]]", text)
+            ):
+                lines["code"].add(text)
     return lines
 
 
@@ -144,9 +148,9 @@ def pretrain_on_public_data(public: TensorDataset, seed: int):
         max_position_embeddings=SEQ_LEN, num_labels=2, pad_token_id=0,
     )  # fmt: skip
     model = transformers.BertForSequenceClassification(config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    loader = DataLoader(public, batch_size=64, shuffle=True)
-    for _ in range(3):
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    loader = DataLoader(public, batch_size=128, shuffle=True)
+    for _ in range(2):
         for ids, mask, labels in loader:
             optimizer.zero_grad()
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -199,6 +203,7 @@ def main() -> None:
     print(f"public lines: {len(public)}; private lines: {len(private_train)} train, {len(private_test)} test")
 
     pretrained = pretrain_on_public_data(public, args.seed)
+    print(f"pretrained on the public half ({time.time() - start:.0f} s so far)")
     _, engine = private_lora_fine_tuning(pretrained, private_train, private_test, args)
     print(f"final: epsilon {engine.get_epsilon(args.delta):.2f} at delta {args.delta} ({time.time() - start:.0f} s)")
 

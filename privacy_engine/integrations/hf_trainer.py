@@ -15,13 +15,13 @@ leaves the rest of ``Trainer`` (collators, schedulers, evaluation, saving, callb
   (saving, evaluation and ``generate`` see no wrapper), ``trainer.private_model`` is the wrapper;
 - every log line gets ``epsilon`` (at ``target_delta``); ``trainer.get_epsilon()`` gives it at any time.
 
-Refused with a ``ValueError`` when the sampling would not be the accounted one (checked before ``Trainer``
-is built): ``gradient_accumulation_steps > 1`` (several independently sampled batches in one step; set
-``per_device_train_batch_size`` to the batch size you want instead), more than one process or device, an
-``IterableDataset`` (Poisson sampling needs indices), ``resume_from_checkpoint`` (a Trainer checkpoint holds
-no accountant history). ``TrainingArguments.max_grad_norm`` is set to 0: Trainer's clipping of the summed
-gradient is replaced by per-example clipping, and the gradient norm Trainer would log is that of the
-un-noised gradient, so it is not logged.
+Refused when the sampling would not be the accounted one (``ValueError``, checked before ``Trainer`` is
+built; an ``IterableDataset`` train set: ``TypeError`` at ``train()``, Poisson sampling needs indices):
+``gradient_accumulation_steps > 1`` (several independently sampled batches in one step; set
+``per_device_train_batch_size`` to the batch size you want instead), more than one process or device,
+``resume_from_checkpoint`` (a Trainer checkpoint holds no accountant history). ``TrainingArguments.max_grad_norm``
+is set to 0: Trainer's clipping of the summed gradient is replaced by per-example clipping, and the gradient
+norm Trainer would log is that of the un-noised gradient, so it is not logged.
 
 Not covered by the guarantee: the training loss Trainer logs (computed on each batch without noise), anything
 a callback reads from ``.grad`` before the optimizer step, and evaluation metrics on private data.
@@ -94,7 +94,7 @@ class DPTrainer(transformers.Trainer):
     target_epsilon
     gradient_accumulation_steps > 1       ``ValueError`` (see the module docstring)
     several processes or devices          ``ValueError``
-    IterableDataset train set             ``ValueError`` at ``train()``
+    IterableDataset train set             ``TypeError`` at ``train()``
     ``resume_from_checkpoint``            ``ValueError``
     model that cannot be wrapped          the engine's error (e.g. BatchNorm: ``fix_module``)
     ====================================  ==================================================
@@ -146,7 +146,7 @@ class DPTrainer(transformers.Trainer):
         if dataset is None:
             raise ValueError("DPTrainer: training requires a train_dataset")
         if isinstance(dataset, IterableDataset):
-            raise ValueError(
+            raise TypeError(
                 "DPTrainer: the train_dataset is an IterableDataset; Poisson sampling draws examples by index, so "
                 "it needs a map-style dataset (with __len__ and __getitem__)"
             )

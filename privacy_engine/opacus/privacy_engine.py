@@ -29,6 +29,7 @@ from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
 from privacy_engine.opacus.accountants import create_accountant
 from privacy_engine.opacus.grad_sample import wrap_opacus_keys
 from privacy_engine.opacus.optimizers import DPOptimizer
+from privacy_engine.opacus.validators import fixer_attribute
 from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["PrivacyEngine", "forbid_accumulation_hook"]
@@ -76,6 +77,23 @@ class PrivacyEngine(_PrivacyEngine):
         if isinstance(accountant, str):
             accountant = create_accountant(accountant.strip().lower())
         super().__init__(accountant=accountant, secure_mode=secure_mode)
+
+    # ------------------------------------------------------------------ Opacus's model checks
+    def is_compatible(self, *, module: nn.Module, optimizer: Any = None, data_loader: Any = None) -> bool:
+        """Whether ``ModuleValidator`` finds nothing in ``module`` (Opacus's method)."""
+        return fixer_attribute("ModuleValidator").is_valid(module)
+
+    def validate(self, *, module: nn.Module, optimizer: Any = None, data_loader: Any = None) -> None:
+        """Raise ``UnsupportedModuleError`` listing every problem of ``module`` (Opacus's method)."""
+        fixer_attribute("ModuleValidator").validate(module, strict=True)
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """``ModuleValidator.fix(module)`` (a fixed copy), validated (Opacus's method)."""
+        validator = fixer_attribute("ModuleValidator")
+        fixed = validator.fix(module)
+        validator.validate(fixed, strict=True)
+        return fixed
 
     # ------------------------------------------------------------------ making things private
     @staticmethod

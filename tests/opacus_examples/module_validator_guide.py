@@ -3,7 +3,7 @@
 then ModuleValidator.is_valid / validate / fix. The notebook shows the calls on nn.Linear only; here
 they also run on a small model with BatchNorm, which is then trained with make_private. The
 notebook uses ShouldReplaceModuleError and a logger without importing them; both are imported here.
-It registers validators globally, so the test runs it in its own process. Privacy-library calls
+It registers validators globally; the test puts the registries back afterwards. Privacy-library calls
 verbatim."""
 
 import copy

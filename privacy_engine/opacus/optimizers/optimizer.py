@@ -66,7 +66,9 @@ class _SubclassNoise(NoiseMechanism):
     def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
         return noise_multiplier * max_grad_norm  # the Gaussian std the accountant assumes
 
-    def add_noise_(self, tensors, noise_multiplier: float, max_grad_norm: float) -> None:
+    def add_noise_(self, tensors, noise_multiplier: float, max_grad_norm: float, *, on_commit=None) -> None:
+        # The engine's contract (NoiseMechanism.add_noise_): the noise is in place before on_commit()
+        # records the release, and the step counts only if on_commit returns.
         optimizer = self.optimizer
         tensors = list(tensors)
         params = optimizer.params
@@ -77,6 +79,8 @@ class _SubclassNoise(NoiseMechanism):
             if param.grad is not released:
                 released.copy_(param.grad)
                 param.grad = released
+        if on_commit is not None:
+            on_commit()
         self._step += 1
 
 

@@ -1,0 +1,115 @@
+"""Drawing the next step's Gaussian noise ahead of time, on a background thread (CPU).
+
+Noise does not depend on the data, so step ``t + 1``'s standard draw can be made while step ``t + 1``'s
+forward and backward passes run. A ``NoiseMechanism`` asks for it right after a step is committed; the
+draw runs on one background thread into a second flat buffer per device, from *shadow* copies of the
+device's generators (same state), so the real generators are never touched by the background thread
+and always show the state of the last committed step: ``state_dict``, a test reading
+``generator.get_state()``, a failed step's rollback and ``load_state_dict`` see exactly what they would
+see without prefetching. The next ``add_noise_`` takes the prefetched buffer only if nothing changed in
+between: the same standard deviation, the same layout, and every real generator still in the state the
+shadow copy started from; it then moves the real generators to the shadow copies' end state, which is
+where drawing in place would have left them. Otherwise the prefetch is dropped and the step draws as
+usual. Either way the step adds bit for bit the noise it would have added without prefetching (the same
+``normal_`` calls on the same generator states into a buffer of the same size), so the seeded stream,
+checkpoints and secure mode (its four OS-seeded generators are copied the same way) are unchanged.
+
+Why only on CPU, and only with a spare core by default: a CUDA draw is already asynchronous (it is queued
+on the stream), and on CPU the draw competes for cores with the step it overlaps. ``NoiseMechanism``'s
+``prefetch=None`` prefetches when torch's intra-op threads leave at least one of the process's cores
+free (``spare_core()``); ``prefetch=True`` always prefetches on CPU, ``False`` never does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PendingDraw", "draw_standard_noise", "spare_core", "submit"]
+
+_lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_pid: int | None = None
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def spare_core() -> bool:
+    """Whether torch's intra-op threads leave one of this process's cores idle for a background draw."""
+    return torch.get_num_threads() < _usable_cores()
+
+
+def submit(function, *args) -> concurrent.futures.Future:
+    """Run ``function(*args)`` on the one background noise thread of this process."""
+    global _executor, _executor_pid
+    with _lock:
+        # A forked child inherits the executor object but not its thread: make a new one there.
+        if _executor is None or _executor_pid != os.getpid():
+            _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="privacy-engine-noise")
+            _executor_pid = os.getpid()
+        return _executor.submit(function, *args)
+
+
+def draw_standard_noise(
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    generators: Sequence[torch.Generator],
+    std: float,
+    secure_mode: bool,
+) -> None:
+    """``out`` <- iid ``N(0, std^2)``: one ``normal_`` from ``generators[0]``, or in secure mode the sum of
+    one draw at ``std / sqrt(k)`` from each of the ``k`` generators (exactly ``N(0, std^2)`` in
+    distribution; ``scratch`` holds each further draw)."""
+    with torch.no_grad():
+        if not secure_mode:
+            out.normal_(0.0, std, generator=generators[0])
+            return
+        part_std = std / math.sqrt(len(generators))
+        out.normal_(0.0, part_std, generator=generators[0])
+        for generator in generators[1:]:
+            scratch.normal_(0.0, part_std, generator=generator)
+            out.add_(scratch)
+
+
+@dataclass(eq=False)
+class PendingDraw:
+    """One device's draw running (or done) in the background for the next step.
+
+    ``buffer``: where the draw goes; ``start_states``: the real generators' states when the draw was
+    submitted (the draw is valid only while they are unchanged); ``shadows``: the generators the
+    background thread draws from.
+    """
+
+    buffer: torch.Tensor
+    std: float
+    start_states: list[torch.Tensor]
+    shadows: list[torch.Generator]
+    future: concurrent.futures.Future
+
+    def wait(self) -> bool:
+        """Block until the draw is done; whether it succeeded (an exception is swallowed: the step then
+        draws in place, which raises the error again if it persists)."""
+        try:
+            self.future.result()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def matches(self, generators: Sequence[torch.Generator], std: float) -> bool:
+        """Whether this draw is exactly what drawing now from ``generators`` at ``std`` would give."""
+        return (
+            std == self.std
+            and len(generators) == len(self.start_states)
+            and all(torch.equal(g.get_state(), s) for g, s in zip(generators, self.start_states))
+        )
