@@ -19,18 +19,21 @@ opacus-ghost    Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` (criterion
 Times: ``workloads.time_interleaved`` (all variants round-robin in ONE process, each timed step after
 an untimed step of its own), repeated ``--runs`` times; each run gives a median per variant and its
 ratio to ``plain``; the table shows the **median over runs** of those ratios and times (and the lowest
-and highest run ratio). Wall time and the process's CPU time (user + system, all threads) are both
-shown: on a machine shared with other jobs the CPU time at 1 thread is the work done, while wall time
-at 2 threads also counts the time a thread waits for the other one's core.
+and highest run ratio of the wall times). Three clocks: wall time; the process's CPU time (user +
+system, all threads: on a machine shared with other jobs it is the work done, not the waiting); and
+the main thread's CPU time, which with 1 torch thread is the step's critical path even when a helper
+thread (the background noise draw, ``privacy_engine.noise_prefetch``) works beside it on another core:
+with a spare core and no other load, wall time tends to it.
 
 Peak memory: peak RSS growth of a steady-state step, one fresh process per variant
 (``workloads.peak_memory_increase``).
 
-Profile (``--profile``): for our variants, the mean time per step spent in each phase (forward,
+Profile (``--profile``): for our variants, the median time per step spent in each phase (forward,
 backward, per-layer norms, clip bookkeeping, weighted sums, noise draw, noise add, update, the step
-contract's Python, ...), measured with ``time.perf_counter`` around the functions that do each phase
-(exclusive times: a phase's time excludes the phases nested in it). The instrumentation itself costs
-a few microseconds per wrapped call; the "step total" row is the instrumented step.
+contract's Python, ...), measured around the functions that do each phase (exclusive times: a phase's
+time excludes the phases nested in it), on the main thread's CPU time with 1 torch thread and wall time
+otherwise (``--profile-clock``). The instrumentation itself costs a few microseconds per wrapped call;
+the "step total" row is the instrumented step.
 
 Goals (issue 13, ratios to plain side by side): ghost <= 1.15x on the MLP and the Transformer,
 <= 1.25x on the CNN, at 1 and 2 threads; peak memory <= 1.2x; ghost-bandmf4 <= 1.05x ghost;
@@ -209,7 +212,7 @@ PHASES = (
     "step contract: pre_step checks",
     "write .grad (clipper.pre_step)",
     "noise: validation + state",
-    "noise: draw",
+    "noise: draw (or take the prefetched one)",
     "noise: BandMF form",
     "noise: add",
     "divide by batch size",
@@ -262,7 +265,7 @@ def profile_variant(
         timer.patch(clipper, "pre_step", "write .grad (clipper.pre_step)")
         noise = optimizer.noise
         timer.patch(noise, "add_noise_", "noise: validation + state")
-        timer.patch(noise, "_fill_standard_noise", "noise: draw")
+        timer.patch(noise, "_fill_standard_noise", "noise: draw (or take the prefetched one)")
         timer.patch(noise, "_form_noise", "noise: BandMF form")
         timer.patch(noise, "_add_to_tensors", "noise: add")
         timer.patch(optimizer, "pre_step", "step contract: pre_step checks")
@@ -314,8 +317,8 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 
 def format_time_table(rows: list[dict], variants: list[str]) -> str:
-    header = ["workload", "threads", "variant", "wall ms", "x plain", "(runs min-max)", "CPU ms", "x plain", "peak MiB",
-              "x plain"]  # fmt: skip
+    header = ["workload", "threads", "variant", "wall ms", "x plain", "(runs min-max)", "CPU ms", "x plain",
+              "main-thread CPU ms", "x plain", "peak MiB", "x plain"]  # fmt: skip
     lines = [header]
     for row in rows:
         plain_mib = row["mem_mib"].get("plain")
@@ -333,6 +336,8 @@ def format_time_table(rows: list[dict], variants: list[str]) -> str:
                 f"{times['wall_ratio_min']:.2f}-{times['wall_ratio_max']:.2f}",
                 _cell(times["cpu_ms"], 1),
                 _cell(times["cpu_ratio"]),
+                _cell(times["thread_ms"], 1),
+                _cell(times["thread_ratio"]),
                 _cell(mib, 1),
                 "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}",
             ])  # fmt: skip
@@ -370,7 +375,7 @@ def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats
     per_run = []
     for _ in range(runs):
         timings = time_interleaved(steps, repeats=repeats, warmup=warmup)
-        per_run.append({v: (t.median_ms, t.median_cpu_ms) for v, t in timings.items()})
+        per_run.append({v: (t.median_ms, t.median_cpu_ms, t.median_thread_cpu_ms) for v, t in timings.items()})
         warmup = 1  # later runs continue a warm process
     result = {}
     for variant in variants:
@@ -378,6 +383,8 @@ def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats
         cpu = [run[variant][1] for run in per_run]
         wall_ratios = [run[variant][0] / run["plain"][0] for run in per_run]
         cpu_ratios = [run[variant][1] / run["plain"][1] for run in per_run]
+        thread = [run[variant][2] for run in per_run]
+        thread_ratios = [run[variant][2] / run["plain"][2] for run in per_run]
         result[variant] = {
             "wall_ms": statistics.median(wall),
             "cpu_ms": statistics.median(cpu),
@@ -385,6 +392,8 @@ def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats
             "wall_ratio_min": min(wall_ratios),
             "wall_ratio_max": max(wall_ratios),
             "cpu_ratio": statistics.median(cpu_ratios),
+            "thread_ms": statistics.median(thread),
+            "thread_ratio": statistics.median(thread_ratios),
             "per_run_wall_ms": wall,
         }
     return result
@@ -401,8 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
     parser.add_argument("--profile", action="store_true", help="also print the per-phase profile of our variants")
     parser.add_argument("--profile-only", action="store_true", help="only the profile (no timing runs, no memory)")
-    parser.add_argument("--profile-clock", choices=("cpu", "wall"), default="cpu",
-                        help="profile on the process's CPU time (default) or on wall time")  # fmt: skip
+    parser.add_argument("--profile-clock", choices=("auto", "thread", "process", "wall"), default="auto",
+                        help="profile on the main thread's CPU time, the process's CPU time or wall time "
+                             "(auto: thread with 1 torch thread, else wall)")  # fmt: skip
     parser.add_argument("--op-profile", type=int, default=0, metavar="ROWS",
                         help="also print torch.profiler's top ROWS ops of plain and ghost")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers as JSON")
@@ -452,10 +462,15 @@ def main(argv: list[str] | None = None) -> None:
             if args.profile:
                 profile_steps = 15 if args.quick else 40
                 ours = ["plain", *(v for v in variants if v in OURS)]
-                clock = time.process_time if args.profile_clock == "cpu" else time.perf_counter
+                clock_name = args.profile_clock
+                if clock_name == "auto":
+                    clock_name = "thread" if threads == 1 else "wall"
+                clock = {"thread": time.thread_time, "process": time.process_time, "wall": time.perf_counter}[
+                    clock_name
+                ]
                 profiles = {v: profile_variant(workload, v, steps=profile_steps, warmup=3, clock=clock) for v in ours}
                 profiles_out[f"{name}@{threads}"] = profiles
-                print(f"\nprofile: {workload.description}, {threads} thread(s), median {args.profile_clock} ms per step "
+                print(f"\nprofile: {workload.description}, {threads} thread(s), median {clock_name} ms per step "
                       f"over {profile_steps} steps (exclusive times; the medians need not add up to the total)")  # fmt: skip
                 print(format_profile_table(profiles, profiles["plain"]["step total"]), flush=True)
             if args.op_profile:

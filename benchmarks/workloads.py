@@ -207,6 +207,9 @@ class Timing:
 
     samples: tuple[float, ...]
     cpu_samples: tuple[float, ...] = ()
+    #: CPU time of the calling thread alone: with one torch thread, the step's critical path even while
+    #: helper threads (a background noise draw) run beside it on another core.
+    thread_cpu_samples: tuple[float, ...] = ()
 
     @property
     def median_s(self) -> float:
@@ -219,6 +222,10 @@ class Timing:
     @property
     def median_cpu_ms(self) -> float:
         return 1000.0 * statistics.median(self.cpu_samples) if self.cpu_samples else float("nan")
+
+    @property
+    def median_thread_cpu_ms(self) -> float:
+        return 1000.0 * statistics.median(self.thread_cpu_samples) if self.thread_cpu_samples else float("nan")
 
     @property
     def spread(self) -> float:
@@ -259,17 +266,22 @@ def time_interleaved(
             step()
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
+    thread_cpu: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             for _ in range(settle_steps):
                 step()
             synchronize(device)
-            start, start_cpu = time.perf_counter(), _cpu_seconds()
+            start, start_cpu, start_thread = time.perf_counter(), _cpu_seconds(), time.thread_time()
             step()
             synchronize(device)
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(_cpu_seconds() - start_cpu)
-    return {name: Timing(samples=tuple(wall[name]), cpu_samples=tuple(cpu[name])) for name in steps}
+            thread_cpu[name].append(time.thread_time() - start_thread)
+    return {
+        name: Timing(samples=tuple(wall[name]), cpu_samples=tuple(cpu[name]), thread_cpu_samples=tuple(thread_cpu[name]))
+        for name in steps
+    }
 
 
 def median_time(step: Callable[[], None], *, repeats: int, warmup: int, device: torch.device = CPU) -> Timing:

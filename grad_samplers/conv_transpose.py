@@ -138,7 +138,7 @@ def conv_transpose_norm_sample(
         num_positions = math.prod(inputs.shape[2:])
         patch_size = layer.weight[0].numel()  # C_out/groups * prod(k)
         inputs_per_group = layer.in_channels // groups
-        if gram_is_cheaper(num_positions, patch_size, inputs_per_group):
+        if gram_is_cheaper(num_positions, patch_size, inputs_per_group, inputs.shape[0]):
             pad = [amount for pad in reversed(layer.padding) for amount in (pad, pad)]
             padded = F.pad(backprops, pad) if any(pad) else backprops
             norms[layer.weight] = windowed_gram_squared_norms(layer, padded, inputs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,6 @@ class ClippingConfig:
         return (self.max_grad_norm / math.sqrt(num_groups),) * num_groups
 
 
-@dataclass(frozen=True)
 class ClippingStats:
     """Diagnostics of one logical step: how large the per-example gradients were before clipping.
 
@@ -125,10 +124,25 @@ class ClippingStats:
     if any of its groups exceeded its bound (or had a non-finite norm and was dropped). With no
     example, every number is 0.
 
-    The totals stay on the device until a field is read, so that logging nothing costs no sync.
+    ``totals``: float64 ``(count, sum of norms, max norm, number clipped)``, or a function returning
+    them: the clipper passes one, so that the totals are computed from the kept per-example norms only
+    when a field is first read (a step whose statistics nobody reads pays for none of the small
+    operations); they stay on the device until then, so that logging nothing costs no sync.
     """
 
-    totals: torch.Tensor  # float64 (count, sum of norms, max norm, number clipped)
+    __slots__ = ("_compute", "_totals")
+
+    def __init__(self, totals: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        if isinstance(totals, torch.Tensor):
+            self._totals, self._compute = totals, None
+        else:
+            self._totals, self._compute = None, totals
+
+    @property
+    def totals(self) -> torch.Tensor:
+        if self._totals is None:
+            self._totals, self._compute = self._compute(), None
+        return self._totals
 
     @property
     def num_examples(self) -> int:
@@ -268,7 +282,10 @@ class PerSampleGradientClipper:
                 f"gives {self.total_bound}"
             )
         self._accumulated: dict[int, torch.Tensor] = {}  # param index -> clipped sum
-        self._totals: torch.Tensor | None = None  # see ClippingStats.totals
+        self._totals: torch.Tensor | None = None  # see ClippingStats.totals (restored from a state_dict)
+        # (norms, padding mask) of each call since the last pre_step: the statistics are computed from them
+        # when read (ClippingStats), not at every call.
+        self._stat_batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def _check_partition(self) -> None:
         position = {id(p): i for i, p in enumerate(self.params)}
@@ -305,7 +322,7 @@ class PerSampleGradientClipper:
     @property
     def has_accumulated(self) -> bool:
         """Whether anything was accumulated since the last ``pre_step`` / ``reset``."""
-        return self._totals is not None
+        return self._totals is not None or bool(self._stat_batches)
 
     # ------------------------------------------------------------------ the shared rule
     def group_norms_from_squared(
@@ -326,6 +343,13 @@ class PerSampleGradientClipper:
                 batch_size, device = squared.shape[0], squared.device
         if batch_size is None:
             raise ValueError("per_param_squared_norms is empty")
+        if len(per_param_squared_norms) == self.num_groups == len(
+            {self._group_of[id(param)] for param in per_param_squared_norms}
+        ):
+            # One entry per group (fast clipping sums each group's squares first): no sums to form.
+            columns = sorted(per_param_squared_norms.items(), key=lambda item: self._group_of[id(item[0])])
+            stacked = torch.stack([squared.detach().to(device=device, dtype=dtype) for _, squared in columns], dim=1)
+            return stacked.sqrt()
         squared_sums = torch.zeros(batch_size, self.num_groups, device=device, dtype=dtype)
         for param, squared in per_param_squared_norms.items():
             column = self._group_of[id(param)]
@@ -487,19 +511,29 @@ class PerSampleGradientClipper:
         The ``.grad`` tensors are fresh (not aliasing any user tensor): the optimizer adds noise
         to them in place.
         """
+        sums = []
         for index, param in enumerate(self.params):
             total = self._accumulated.get(index)
-            param.grad = torch.zeros_like(param) if total is None else total
-        totals = self._totals
-        if totals is None:
-            totals = torch.zeros(4, dtype=torch.float64)
+            if total is None:
+                total = torch.zeros_like(param, dtype=_sum_dtype(param.dtype))
+            # A half-precision parameter's sum stays in float32 until the noise is added (rounding the
+            # clipped sum to bf16 first could push one example's contribution past the bound): the
+            # optimizer casts the noised sum into .grad (``released_sums``).
+            param.grad = total if total.dtype == param.dtype else None
+            sums.append(total)
+        #: The sums just written (in float32 at least), in ``params`` order: what the noise is added to.
+        self.released_sums = sums
+        totals, batches, bounds = self._totals, self._stat_batches, self.bounds
         self.reset()
-        return ClippingStats(totals)
+        if totals is None and not batches:
+            return ClippingStats(torch.zeros(4, dtype=torch.float64))
+        return ClippingStats(lambda: _combined_totals(totals, batches, bounds))
 
     def reset(self) -> None:
         """Drop the accumulated sum and statistics (per-sample gradients are left alone)."""
         self._accumulated = {}
         self._totals = None
+        self._stat_batches = []
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, object]:
@@ -507,7 +541,7 @@ class PerSampleGradientClipper:
         and statistics, so a run saved between micro-batches of one logical step resumes exactly."""
         return {
             "accumulated": {index: total.detach().clone() for index, total in self._accumulated.items()},
-            "totals": None if self._totals is None else self._totals.detach().clone(),
+            "totals": _combined_totals(self._totals, self._stat_batches, self.bounds) if self.has_accumulated else None,
             "bounds": list(self.bounds),
             "clipping": self.config.clipping,
         }
@@ -525,11 +559,12 @@ class PerSampleGradientClipper:
             if not (0 <= int(index) < len(self.params)) or tuple(total.shape) != tuple(self.params[int(index)].shape):
                 raise ValueError(f"saved accumulator {index} does not match the clipper's parameters")
         self._accumulated = {
-            int(i): t.to(device=self.params[int(i)].device, dtype=self.params[int(i)].dtype).clone()
+            int(i): t.to(device=self.params[int(i)].device, dtype=_sum_dtype(self.params[int(i)].dtype)).clone()
             for i, t in accumulated.items()
         }
         totals = state["totals"]
         self._totals = None if totals is None else totals.clone()
+        self._stat_batches = []
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -578,7 +613,7 @@ class PerSampleGradientClipper:
         """``owned``: the sums are fresh tensors nobody else holds, so the first one is kept as is."""
         for param, total in clipped_sums.items():
             index = self._index_of[id(param)]
-            total = total.detach().to(dtype=param.dtype, device=param.device)
+            total = total.detach().to(dtype=_sum_dtype(param.dtype), device=param.device)
             previous = self._accumulated.get(index)
             if previous is None:
                 self._accumulated[index] = total if owned else total.clone()
@@ -587,34 +622,54 @@ class PerSampleGradientClipper:
         self._record_stats(norms, padding_mask)
 
     def _record_stats(self, norms: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
-        norms = norms.to(torch.float64)
-        bounds = torch.tensor(self.bounds, dtype=torch.float64, device=norms.device)
-        total_norms = norms.square().sum(1).sqrt()
-        clipped = ((norms > bounds) | ~torch.isfinite(norms)).any(1)
-        real = torch.ones_like(total_norms, dtype=torch.bool)
-        if padding_mask is not None:
-            real = ~padding_mask.to(norms.device)
-        zero = torch.zeros((), dtype=torch.float64, device=norms.device)
-        batch_totals = torch.stack(
+        # Copies (a few numbers per example): the caller's tensors may change before the totals are read.
+        self._stat_batches.append((norms.detach().clone(), None if padding_mask is None else padding_mask.clone()))
+
+
+def _batch_totals(norms: torch.Tensor, padding_mask: torch.Tensor | None, bounds: Sequence[float]) -> torch.Tensor:
+    """``ClippingStats.totals`` of one call: its group norms ``(batch, groups)`` and padding mask."""
+    norms = norms.to(torch.float64)
+    bound_values = torch.tensor(bounds, dtype=torch.float64, device=norms.device)
+    total_norms = norms.square().sum(1).sqrt()
+    clipped = ((norms > bound_values) | ~torch.isfinite(norms)).any(1)
+    real = torch.ones_like(total_norms, dtype=torch.bool)
+    if padding_mask is not None:
+        real = ~padding_mask.to(norms.device)
+    zero = torch.zeros((), dtype=torch.float64, device=norms.device)
+    return torch.stack(
+        [
+            real.sum().to(torch.float64),
+            torch.where(real, total_norms, zero).sum(),
+            torch.where(real, total_norms, zero).amax() if total_norms.numel() else zero,
+            (clipped & real).sum().to(torch.float64),
+        ]
+    )
+
+
+def _combined_totals(
+    totals: torch.Tensor | None, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]], bounds: Sequence[float]
+) -> torch.Tensor:
+    """``totals`` (None: nothing yet) combined with each call's totals, in order."""
+    for norms, padding_mask in batches:
+        batch_totals = _batch_totals(norms, padding_mask, bounds)
+        if totals is None:
+            totals = batch_totals
+            continue
+        previous = totals.to(norms.device)
+        totals = torch.stack(
             [
-                real.sum().to(torch.float64),
-                torch.where(real, total_norms, zero).sum(),
-                torch.where(real, total_norms, zero).amax() if total_norms.numel() else zero,
-                (clipped & real).sum().to(torch.float64),
+                previous[0] + batch_totals[0],
+                previous[1] + batch_totals[1],
+                torch.maximum(previous[2], batch_totals[2]),
+                previous[3] + batch_totals[3],
             ]
         )
-        if self._totals is None:
-            self._totals = batch_totals
-        else:
-            previous = self._totals.to(norms.device)
-            self._totals = torch.stack(
-                [
-                    previous[0] + batch_totals[0],
-                    previous[1] + batch_totals[1],
-                    torch.maximum(previous[2], batch_totals[2]),
-                    previous[3] + batch_totals[3],
-                ]
-            )
+    return totals.detach().clone()
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Clipped sums accumulate in at least float32 (a parameter's own dtype when wider)."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -464,7 +464,7 @@ class GradSampleModule(nn.Module):
                 )
             held[0] = None  # free the inputs as soon as their backward has run
             if self._check_state == "armed":
-                self._record_term_scales(layer, sampler, activations, backprops)
+                self._record_term_scales(layer, activations, backprops)
             self._layer_backward(path, layer, sampler, activations, backprops)
 
         if broadcast_to is not None:
@@ -658,7 +658,7 @@ class GradSampleModule(nn.Module):
         if previous is None or torch.finfo(dtype).eps > torch.finfo(previous).eps:
             self._check_dtypes[param] = dtype
 
-    def _record_term_scales(self, layer: nn.Module, sampler: GradSampler, activations: tuple, backprops: torch.Tensor) -> None:
+    def _record_term_scales(self, layer: nn.Module, activations: tuple, backprops: torch.Tensor) -> None:
         """For the first-backward check: the size of the terms each per-sample gradient sums.
 
         A per-sample gradient sums products of output gradients and inputs over positions; when they
@@ -666,7 +666,8 @@ class GradSampleModule(nn.Module):
         shift, so the exact gradient is 0), the computed sum is pure rounding, of the order of
         ``eps * sum |terms|``, however small the sum itself. The same sampler evaluated on ``|inputs|``
         and ``|output gradient|`` gives ``sum |terms|`` (exactly for linear maps, convolutions and
-        embeddings; in order of magnitude for normalisation layers), through its cheap norm form.
+        embeddings; in order of magnitude for normalisation layers), through its norm sampler (layers with
+        none, e.g. plugins' with only a grad sampler, get no term scale: their sampler is not run twice).
         """
         if self._batch_dim != 0:
             backprops = backprops.movedim(self._batch_dim, 0)
@@ -681,22 +682,16 @@ class GradSampleModule(nn.Module):
         for param in trainable:
             for tensor in (backprops, *floating):
                 self._note_check_dtype(param, tensor.dtype)
-        absolute = tuple(a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in activations)
         norm_sampler = norm_sampler_for(layer)
+        if norm_sampler is None:
+            return  # only the cheap norm form is used (a layer without one keeps the strict check)
+        absolute = tuple(a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in activations)
         with torch.no_grad():
             try:
-                if norm_sampler is not None:
-                    scales = {
-                        p: squared.to(_at_least_float32(squared.dtype)).clamp(min=0).sqrt()
-                        for p, squared in norm_sampler(layer, absolute, backprops.abs()).items()
-                    }
-                else:
-                    scales = {
-                        p: torch.linalg.vector_norm(
-                            grads.reshape(grads.shape[0], p.numel()), dim=1, dtype=_at_least_float32(grads.dtype)
-                        )
-                        for p, grads in sampler(layer, absolute, backprops.abs()).items()
-                    }
+                scales = {
+                    p: squared.to(_at_least_float32(squared.dtype)).clamp(min=0).sqrt()
+                    for p, squared in norm_sampler(layer, absolute, backprops.abs()).items()
+                }
             except Exception:  # noqa: BLE001  (a sampler that rejects these values: no term scale, the check stays strict)
                 return
         for param, per_example in scales.items():
@@ -789,15 +784,17 @@ class GradSampleModule(nn.Module):
 
 
 def _input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:
-    """The size at ``batch_dim`` that most tensor inputs (with such a dim) have; None on a tie or none.
+    """The size at ``batch_dim`` that most tensor inputs of 2 or more dims have; None on a tie or none.
 
-    A tie is left undecided on purpose: ``(mask of shape (T, T), x of shape (1, T, E))`` and
-    ``(input_ids (B, T), position_ids (1, T))`` look alike, and guessing wrong would copy one example
-    T times. Layers' outputs decide then (see ``GradSampleModule._note_batch_size``).
+    1-D tensors do not vote: their one dim is as often a list of things (EmbeddingBag indices and offsets,
+    lengths) as a batch. A tie is left undecided on purpose: ``(mask of shape (T, T), x of shape (1, T, E))``
+    and ``(input_ids (B, T), position_ids (1, T))`` look alike, and guessing wrong would copy one example
+    T times. Layers' outputs decide then (see ``GradSampleModule._note_batch_size``). (With a private
+    loader, a forward whose batch exceeds the drawn batch is refused by the step contract as well.)
     """
     counts: Dict[int, int] = {}
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.dim() > batch_dim:
             counts[leaf.shape[batch_dim]] = counts.get(leaf.shape[batch_dim], 0) + 1
     if not counts:
         return None

@@ -98,6 +98,7 @@ class _DeviceGroup:
     next_views: list[torch.Tensor] = field(default_factory=list)
     next_scratch: torch.Tensor | None = None
     shadow_generators: list[torch.Generator] = field(default_factory=list)
+    formed_ahead: bool = False  # group.noise already holds this step's formed noise (BandMF, drawn ahead)
 
 
 class NoiseMechanism(abc.ABC):
@@ -135,8 +136,9 @@ class NoiseMechanism(abc.ABC):
         secure_mode: OS entropy only (a user ``seed`` raises ``ValueError``), as described above.
         prefetch: draw the next step's noise on a background thread while the current step's
             forward and backward passes run (CPU tensors only; one more flat buffer per device).
-            ``None``: when torch's intra-op threads leave one of the process's cores free; ``True``:
-            always; ``False``: never. The noise added is bit for bit the same either way
+            ``None``: when torch's intra-op threads leave one of the process's cores free and a
+            device holds at least ``noise_prefetch.MIN_PREFETCH_NUMEL`` entries; ``True``: always;
+            ``False``: never. The noise added is bit for bit the same either way
             (``privacy_engine.noise_prefetch``).
     """
 
@@ -488,6 +490,17 @@ class NoiseMechanism(abc.ABC):
         when adding it to the tensors. Must not change the mechanism's state (see ``_commit``)."""
         return 1.0
 
+    def _form_ahead(self, group: _DeviceGroup) -> tuple[Callable[[torch.Tensor], None] | None, object]:
+        """For a draw made ahead (after a commit): a function turning the next step's standard draw into its
+        noise as ``_form_noise`` would, computed from the state as it is now, and the key of that state
+        (``_form_ahead_key``); ``(None, None)``: formed at the step instead."""
+        return None, None
+
+    def _form_ahead_key(self, group: _DeviceGroup) -> object:
+        """What ``_form_ahead``'s function reads of the mechanism's state (a draw formed ahead is used only
+        while it is unchanged)."""
+        return None
+
     def _commit_noise(self, group: _DeviceGroup) -> None:
         """Keep what later steps need of this step's noise (``group.noise``), once it is committed."""
 
@@ -639,24 +652,36 @@ class NoiseMechanism(abc.ABC):
         """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is
         exactly what drawing now gives (the generators then move on as drawing would have moved them), else
         drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both)."""
+        group.formed_ahead = False
         ahead = self._draws_ahead.pop(id(group), None)
-        if ahead is not None and ahead.wait() and ahead.buffer is group.next_noise and ahead.matches(group.generators, std):
+        if (
+            ahead is not None
+            and ahead.wait()
+            and ahead.buffer is group.next_noise
+            and ahead.matches(group.generators, std)
+            and (ahead.formed is None or ahead.formed == self._form_ahead_key(group))
+        ):
             group.noise, group.next_noise = group.next_noise, group.noise
             group.noise_views, group.next_views = group.next_views, group.noise_views
             for generator, shadow in zip(group.generators, ahead.shadows):
                 generator.set_state(shadow.get_state())
+            group.formed_ahead = ahead.formed is not None
             return
         # Secure mode: the sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
         noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode)
 
     # ------------------------------------------------------------------ drawing ahead (noise_prefetch)
     def _prefetching(self) -> bool:
-        return self.prefetch is True or (self.prefetch is None and noise_prefetch.spare_core())
+        if self.prefetch is None:
+            return noise_prefetch.spare_core() and any(g.numel >= noise_prefetch.MIN_PREFETCH_NUMEL for g in self._groups)
+        return self.prefetch
 
     def _draw_ahead(self, std: float) -> None:
         """Start drawing the next step's noise (at this step's std) for every CPU device, in the background."""
         for group in self._groups:
             if group.device.type != "cpu" or id(group) in self._draws_ahead or group.noise is None:
+                continue
+            if self.prefetch is None and group.numel < noise_prefetch.MIN_PREFETCH_NUMEL:
                 continue
             if group.next_noise is None:
                 group.next_noise = torch.empty_like(group.noise)
@@ -670,11 +695,13 @@ class NoiseMechanism(abc.ABC):
             states = [generator.get_state() for generator in group.generators]
             for shadow, state in zip(group.shadow_generators, states):
                 shadow.set_state(state)
-            future = noise_prefetch.submit(noise_prefetch.draw_standard_noise, group.next_noise, group.next_scratch,
-                                           group.shadow_generators, std, self.secure_mode)  # fmt: skip
+            form, formed = self._form_ahead(group)
+            future = noise_prefetch.submit(noise_prefetch.draw_and_form, group.next_noise, group.next_scratch,
+                                           group.shadow_generators, std, self.secure_mode, form)  # fmt: skip
             self._draws_ahead[id(group)] = noise_prefetch.PendingDraw(
-                buffer=group.next_noise, std=std, start_states=states, shadows=group.shadow_generators, future=future
-            )
+                buffer=group.next_noise, std=std, start_states=states, shadows=group.shadow_generators, future=future,
+                formed=formed,
+            )  # fmt: skip
 
     def _wait_for_draws_ahead(self) -> None:
         for ahead in getattr(self, "_draws_ahead", {}).values():
@@ -927,17 +954,34 @@ class BandMFNoise(NoiseMechanism):
         return torch.as_tensor(weights, dtype=dtype, device=device)
 
     def _form_noise(self, group: _DeviceGroup) -> float:
+        if group.formed_ahead:
+            group.formed_ahead = False  # formed in the background from this very state (_form_ahead)
+        else:
+            self._form_into(group.noise, group.history, group.ring_weights, self._ring_position)
+        return self._row_scale(self._step)
+
+    def _form_into(
+        self, noise: torch.Tensor, history: torch.Tensor | None, ring_weights: torch.Tensor | None, position: int
+    ) -> None:
         c_0 = float(self.coefficients[0])
         if self.num_bands == 1:
             if c_0 != 1.0:
-                group.noise.div_(c_0)
+                noise.div_(c_0)
         else:
             # x_t = (z_t - sum_j c_j x_{t-j}) / c_0 in one pass over the history (one gemv).
-            position = self._ring_position
-            group.noise.addmv_(
-                group.history.t(), group.ring_weights[position], beta=1.0 / c_0, alpha=-1.0 / c_0
-            )
-        return self._row_scale(self._step)
+            noise.addmv_(history.t(), ring_weights[position], beta=1.0 / c_0, alpha=-1.0 / c_0)
+
+    def _form_ahead(self, group: _DeviceGroup) -> tuple[Callable[[torch.Tensor], None] | None, object]:
+        # The history and ring position are those of the next step once this step is committed; the same
+        # gemv on the same data gives the same bits on any thread.
+        form = functools.partial(
+            self._form_into, history=group.history, ring_weights=group.ring_weights, position=self._ring_position
+        )
+        return form, self._form_ahead_key(group)
+
+    def _form_ahead_key(self, group: _DeviceGroup) -> object:
+        history = group.history
+        return (self._ring_position, None if history is None else (id(history), history._version))
 
     def _commit_noise(self, group: _DeviceGroup) -> None:
         # x_t replaces x_{t-b+1} (no longer needed) in the ring, only now that the step is taken.

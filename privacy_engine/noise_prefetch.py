@@ -16,8 +16,10 @@ checkpoints and secure mode (its four OS-seeded generators are copied the same w
 
 Why only on CPU, and only with a spare core by default: a CUDA draw is already asynchronous (it is queued
 on the stream), and on CPU the draw competes for cores with the step it overlaps. ``NoiseMechanism``'s
-``prefetch=None`` prefetches when torch's intra-op threads leave at least one of the process's cores
-free (``spare_core()``); ``prefetch=True`` always prefetches on CPU, ``False`` never does.
+``prefetch=None`` prefetches a device's noise when torch's intra-op threads leave at least one of the
+process's cores free (``spare_core()``) and the device has at least ``MIN_PREFETCH_NUMEL`` entries (below
+that, handing the draw to another thread costs more than the draw: about 30 us against 4 ns per entry);
+``prefetch=True`` always prefetches on CPU, ``False`` never does.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import concurrent.futures
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PendingDraw", "draw_standard_noise", "spare_core", "submit"]
+__all__ = ["MIN_PREFETCH_NUMEL", "PendingDraw", "draw_and_form", "draw_standard_noise", "spare_core", "submit"]
+
+MIN_PREFETCH_NUMEL = 1 << 16
 
 _lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -82,13 +86,29 @@ def draw_standard_noise(
             out.add_(scratch)
 
 
+def draw_and_form(
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    generators: Sequence[torch.Generator],
+    std: float,
+    secure_mode: bool,
+    form: Callable[[torch.Tensor], None] | None,
+) -> None:
+    """``draw_standard_noise``, then ``form(out)`` (BandMF: the next step's noise from the history), if given."""
+    draw_standard_noise(out, scratch, generators, std, secure_mode)
+    if form is not None:
+        with torch.no_grad():
+            form(out)
+
+
 @dataclass(eq=False)
 class PendingDraw:
     """One device's draw running (or done) in the background for the next step.
 
     ``buffer``: where the draw goes; ``start_states``: the real generators' states when the draw was
     submitted (the draw is valid only while they are unchanged); ``shadows``: the generators the
-    background thread draws from.
+    background thread draws from; ``formed``: None for a plain draw, else what the mechanism's state
+    was when the draw was also formed into the next step's noise (valid only while it is unchanged).
     """
 
     buffer: torch.Tensor
@@ -96,6 +116,7 @@ class PendingDraw:
     start_states: list[torch.Tensor]
     shadows: list[torch.Generator]
     future: concurrent.futures.Future
+    formed: object = None
 
     def wait(self) -> bool:
         """Block until the draw is done; whether it succeeded (an exception is swallowed: the step then

@@ -401,7 +401,7 @@ class DPOptimizer(Optimizer):
         rows, loader_step = self._check_release(release, params)
         self._in_logical_step = False
         self.last_clipping_stats = self.clipper.pre_step()
-        grads = [p.grad for p in params]
+        grads = self.clipper.released_sums  # float32 at least; half-precision .grad is cast after the noise
         try:
             if self.reduce_clipped_sums is not None:
                 self.reduce_clipped_sums(grads)
@@ -440,6 +440,9 @@ class DPOptimizer(Optimizer):
             # on which examples were sampled, and dividing by it would release that number
             # without noise (and change the sensitivity).
             torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, 1))
+        for param, grad in zip(params, grads):
+            if param.grad is not grad:
+                param.grad = grad.to(param.dtype)  # the noised sum, rounded once
         for param in self._all_params:
             if not param.requires_grad:
                 param.grad = None  # frozen: no noise, no update

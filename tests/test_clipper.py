@@ -352,6 +352,20 @@ def test_statistics_match_the_per_example_norms():
     assert stats.clipped_fraction == pytest.approx(sum(n > 1.5 for n in norms) / 6)
 
 
+def test_statistics_are_those_of_the_norms_handed_over_even_if_the_caller_changes_them_later():
+    params = make_params()
+    clipper = PerSampleGradientClipper(params, 1.0)
+    norms = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+    clipper.accumulate_clipped_sums_({}, norms, padding_mask=torch.tensor([False, False, True]))
+    clipper.accumulate_clipped_sums_({}, torch.tensor([4.0], dtype=torch.float64))
+    norms.fill_(100.0)  # read lazily, the statistics must still be those of the calls
+    saved = clipper.state_dict()["totals"]
+    stats = clipper.pre_step()
+    assert (stats.num_examples, stats.max_per_sample_norm, stats.clipped_fraction) == (3, 4.0, pytest.approx(2 / 3))
+    assert stats.mean_per_sample_norm == pytest.approx((0.5 + 2.0 + 4.0) / 3)
+    assert torch.equal(saved, stats.totals)
+
+
 # ---------------------------------------------------------------------------- fast-clipping entry point
 def test_accumulate_clipped_sums_matches_clip_and_accumulate():
     params = make_params()

@@ -581,3 +581,21 @@ def test_generated_inputs_before_the_backward_of_a_drawn_batch_are_joined_to_its
     # each example i's contribution (real_i + fake_i) is clipped as one: the update is at most C per example
     moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
     assert float(moved.norm()) * 8 <= 8 * 0.5 * (1 + 1e-9)
+
+
+def test_a_model_held_in_bfloat16_releases_a_clipped_sum_within_the_bound():
+    from privacy_engine import DPOptimizer, GradSampleModule
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=1.0,
+                            loss_reduction="sum")  # fmt: skip
+    x = torch.randn(1, 64, dtype=torch.bfloat16) * 30
+    wrapped(x).square().sum().backward()
+    optimizer.step()
+    # the sum the noise is added to (kept in float32): one example's contribution is within C
+    released = torch.cat([s.flatten().double() for s in optimizer.clipper.released_sums])
+    assert float(released.norm()) <= 1.0 * (1 + 1e-6)
+    assert all(s.dtype == torch.float32 for s in optimizer.clipper.released_sums)
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
