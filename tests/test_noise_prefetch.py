@@ -84,6 +84,19 @@ def test_loading_an_earlier_state_drops_the_draw_made_for_the_current_one():
     assert torch.equal(run(mechanism, [1.0] * 2), run(reference, [1.0] * 2))
 
 
+def test_a_bandmf_draw_formed_ahead_is_formed_again_when_the_history_changed():
+    # Same generators, another history: the standard draw made ahead is right, its formed noise is not.
+    mechanism = BandMFNoise([1.0, 0.7, 0.3], seed=5, prefetch=True)
+    run(mechanism, [1.0] * 3)
+    state = copy.deepcopy(mechanism.state_dict())
+    state["devices"][0]["history"] = torch.full_like(state["devices"][0]["history"], 0.25)
+    mechanism.load_state_dict(copy.deepcopy(state))
+    assert mechanism._draws_ahead  # made before the load, from the same generator states
+    reference = BandMFNoise([1.0, 0.7, 0.3], seed=5, prefetch=False)
+    reference.load_state_dict(state)
+    assert torch.equal(run(mechanism, [1.0] * 2), run(reference, [1.0] * 2))
+
+
 @pytest.mark.parametrize("point", ["_form_noise", "_add_to_tensors"])
 def test_a_failed_step_that_took_the_prefetched_draw_is_retried_with_the_same_noise(monkeypatch, point):
     mechanism = BandMFNoise([1.0, 0.5, 0.25], seed=2, prefetch=True)
