@@ -510,8 +510,21 @@ class DPOptimizer(Optimizer):
             return False  # the private gradient this optimizer wrote (not zeroed since)
         return bool(grad.detach().abs().sum() > 0)
 
+    # torch.amp.GradScaler hands scale-aware optimizers its scale instead of unscaling and skipping steps
+    # itself; that lets the step below refuse it before anything is released (see step()).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            # GradScaler.step(optimizer): per-sample gradients were clipped at their scaled size, and
+            # the scaler would skip steps whose raw gradients overflow (a decision that depends on the data).
+            self.discard_logical_step()
+            raise NotImplementedError(
+                "torch.amp.GradScaler (fp16 loss scaling) is not supported by the private optimizer yet: nothing "
+                "was released. Use bf16 autocast (torch.autocast(dtype=torch.bfloat16)), which needs no scaler, "
+                "or fp16 autocast without a GradScaler."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -599,3 +599,17 @@ def test_a_model_held_in_bfloat16_releases_a_clipped_sum_within_the_bound():
     assert float(released.norm()) <= 1.0 * (1 + 1e-6)
     assert all(s.dtype == torch.float32 for s in optimizer.clipper.released_sums)
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_a_grad_scaler_is_refused_before_anything_is_released():
+    engine, model, wrapped, optimizer, loader = private("hooks", sigma=1.0, model=make_model().float(),
+                                                        dataset=TensorDataset(make_data().tensors[0].float(),
+                                                                              make_data().tensors[1]))  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(iter(loader))
+    before = snapshot(model)
+    scaler.scale(loss_of(wrapped, x, y)).backward()
+    with pytest.raises(NotImplementedError, match="GradScaler"):
+        scaler.step(optimizer)
+    assert engine.accountant.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
