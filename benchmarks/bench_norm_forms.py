@@ -12,9 +12,11 @@ direct   ``G_i^T A_i`` formed, squared, summed         ``L D P``
 
 This script times both on a grid of shapes (convolutions: channels, image size, kernel, batch;
 linear layers: sequence length, width, batch), prints how the cost grows along each axis, which form
-the cost model picks (``grad_samplers.conv.gram_is_cheaper``, ``grad_samplers.linear.linear_weight_norm_form``)
-and which one was measured faster, and how much time a wrong pick costs. ``--fit`` refits the
-model's constants by least squares on the measured times (times per multiply-add of each form).
+the FLOP rule picks (``grad_samplers.conv.gram_is_cheaper``, ``grad_samplers.linear.linear_weight_norm_form``)
+and which one was measured faster, how much time a wrong pick costs and, for convolutions, the peak
+memory each form needs (peak RSS growth of one call). ``--fit`` prints least-squares times per
+multiply-add of each form (a linear cost model; the direct convolution's time per multiply-add varies
+several-fold with the shape, so the fit is rough).
 
 Times are the least of ``repeats`` interleaved calls, in the process's CPU time (1 thread by default: on a
 shared machine CPU time is the work done, not the waiting, and the least is the least disturbed call).
@@ -25,6 +27,7 @@ Run:  python benchmarks/bench_norm_forms.py [--quick] [--threads 1] [--fit]
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -40,9 +43,16 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 import numpy as np
 import torch
 from torch import nn
+from workloads import MEMORY_CHILD_ENV, peak_memory_increase, run_python_json
 
 from grad_samplers import conv as conv_module
 from grad_samplers import linear as linear_module
+
+
+def peak_mib(function: Callable[[], object]) -> float:
+    """Peak resident memory (MiB) one call needs above what the process held before it (see
+    ``workloads.peak_memory_increase``; this process runs with ``MEMORY_CHILD_ENV`` so freed blocks leave)."""
+    return peak_memory_increase(function, steps=1, warmup=1) / 2**20
 
 
 def cpu_ms(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -76,7 +86,13 @@ CONV_SHAPES = [
 ]
 
 
-def conv_forms(shape: tuple, repeats: int) -> dict:
+def conv_memory(shape: tuple) -> dict[str, float]:
+    """Peak memory of each form (run in a child process with ``MEMORY_CHILD_ENV``)."""
+    functions = _conv_functions(shape)
+    return {"gram_mib": peak_mib(functions["gram"]), "direct_mib": peak_mib(functions["direct"])}
+
+
+def _conv_functions(shape: tuple) -> dict:
     batch, in_channels, out_channels, kernel, stride, padding, size = shape
     generator = torch.Generator().manual_seed(0)
     layer = nn.Conv2d(in_channels, out_channels, kernel, stride=stride, padding=padding)
@@ -90,9 +106,15 @@ def conv_forms(shape: tuple, repeats: int) -> dict:
         return conv_module.windowed_gram_squared_norms(layer, padded, grads)
 
     def direct() -> torch.Tensor:
-        return conv_module._per_sample_weight_grads(layer, inputs, grads).flatten(1).pow(2).sum(dim=1)
+        return conv_module._per_sample_weight_grads(layer, inputs, grads).flatten(1).square_().sum(dim=1)
 
-    positions = out_size * out_size
+    return {"gram": gram, "direct": direct, "positions": out_size * out_size}
+
+
+def conv_forms(shape: tuple, repeats: int) -> dict:
+    batch, in_channels, out_channels, kernel, stride, _, size = shape
+    functions = _conv_functions(shape)
+    gram, direct, positions = functions["gram"], functions["direct"], functions["positions"]
     patch = in_channels * kernel * kernel
     times = cpu_ms({"gram": gram, "direct": direct}, repeats)
     return {
@@ -103,7 +125,7 @@ def conv_forms(shape: tuple, repeats: int) -> dict:
         "P": out_channels,
         "gram_ms": times["gram"],
         "direct_ms": times["direct"],
-        "model": "gram" if conv_module.gram_is_cheaper(positions, patch, out_channels, batch) else "direct",
+        "model": "gram" if conv_module.gram_is_cheaper(positions, patch, out_channels) else "direct",
     }
 
 
@@ -150,14 +172,15 @@ def linear_forms(shape: tuple, repeats: int) -> dict:
 
 # ---------------------------------------------------------------------------------- report
 def format_rows(rows: list[dict]) -> str:
-    header = ["shape", "gram ms", "direct ms", "faster", "model picks", "lost by the pick"]
+    header = ["shape", "gram ms", "direct ms", "faster", "model picks", "lost by the pick", "gram MiB", "direct MiB"]
     lines = [header]
     for row in rows:
         faster = "gram" if row["gram_ms"] < row["direct_ms"] else "direct"
         picked = row["gram_ms"] if row["model"] == "gram" else row["direct_ms"]
         best = min(row["gram_ms"], row["direct_ms"])
+        memory = [f"{row[key]:.1f}" if key in row else "-" for key in ("gram_mib", "direct_mib")]
         lines.append([row["shape"], f"{row['gram_ms']:.2f}", f"{row['direct_ms']:.2f}", faster, row["model"],
-                      f"{100 * (picked / best - 1):.0f}%"])  # fmt: skip
+                      f"{100 * (picked / best - 1):.0f}%", *memory])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
     rendered.insert(1, "-+-".join("-" * width for width in widths))
@@ -184,12 +207,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fit", action="store_true", help="also print least-squares constants of the cost model")
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps([conv_memory(shape) for shape in CONV_SHAPES]))
+        return
     repeats = 3 if args.quick else 15
     print(f"torch {torch.__version__}, {args.threads} thread(s), least CPU ms of {repeats}; load average "
           + ", ".join(f"{load:.1f}" for load in os.getloadavg()), flush=True)  # fmt: skip
     conv_rows = [conv_forms(shape, repeats) for shape in CONV_SHAPES]
+    memory = run_python_json([os.path.abspath(__file__), "--memory-child", f"--threads={args.threads}"],
+                             env=MEMORY_CHILD_ENV)  # fmt: skip
+    for row, peaks in zip(conv_rows, memory):
+        row.update(peaks)
     print("\nConv2d weight: per-example squared norms of a batch\n" + format_rows(conv_rows), flush=True)
     linear_rows = [linear_forms(shape, repeats) for shape in LINEAR_SHAPES]
     print("\nLinear weight (sequence input): per-example squared norms of a batch\n" + format_rows(linear_rows))

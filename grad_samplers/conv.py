@@ -85,38 +85,23 @@ def grouped_patches(windows: torch.Tensor, groups: int, spatial_dims: int) -> to
     return grouped.permute(order).reshape(batch_size, groups, -1, (channels // groups) * kernel.numel())
 
 
-# The cost model's constants, measured with benchmarks/bench_norm_forms.py (2-core AMD EPYC, torch 2.13, one
-# thread): the Gram form also writes and reads the L x D patch matrix, which costs about as much as
-# GRAM_PATCH_COST multiply-adds per entry (the value that lost the least time over the benchmark's grid in
-# two runs); the materialising form (a grouped convolution backward with the batch folded into the groups)
-# runs several times slower per multiply-add once the batch's per-sample gradients exceed
-# LARGE_PER_SAMPLE_ENTRIES entries (counted as LARGE_PER_SAMPLE_SLOWDOWN times the work).
-GRAM_PATCH_COST = 4
-LARGE_PER_SAMPLE_ENTRIES = 1 << 22
-LARGE_PER_SAMPLE_SLOWDOWN = 4
-
-
-def gram_is_cheaper(num_positions: int, patch_size: int, outputs_per_group: int, batch_size: int = 1) -> bool:
-    """Whether the Gram form of the per-example squared norm beats materialising ``G^T A``, by a cost
-    model measured on CPU (the constants above; ``benchmarks/bench_norm_forms.py`` prints the table).
+def gram_is_cheaper(num_positions: int, patch_size: int, outputs_per_group: int) -> bool:
+    """Whether the Gram form of the per-example squared norm beats materialising ``G^T A``.
 
     Per example and group, materialising costs ``L*D*P`` multiply-adds and ``D*P`` memory; the Gram
-    form ``<A A^T, G G^T>`` costs ``L^2*(D+P)`` multiply-adds, ``L^2`` memory and a copy of the ``L*D``
-    patch matrix. Modelled times: ``L^2*(D+P) + GRAM_PATCH_COST*L*D`` against ``L*D*P`` (times
-    ``LARGE_PER_SAMPLE_SLOWDOWN`` when ``batch_size*D*P`` exceeds ``LARGE_PER_SAMPLE_ENTRIES``). The Gram
-    form is only chosen when it also needs fewer multiply-adds (``L*(D+P) < D*P``), which makes
-    ``L^2 < D*P/4``: it then also wins on memory. Long sequences / large images with few channels go the
-    materialising way; so do borderline shapes such as the benchmark CNN's second convolution (25 positions,
-    D=256, P=32: 14% fewer multiply-adds in the Gram form, measured from as fast to 40% slower).
+    form ``<A A^T, G G^T>`` costs ``L^2*(D+P)`` multiply-adds and ``L^2`` memory. So the Gram form wins
+    on FLOPs exactly when ``L*(D+P) < D*P``; then ``L < D*P/(D+P) <= sqrt(D*P)/2``, so ``L^2 < D*P/4``
+    and it also wins on memory (and its patch matrix, ``L*D``, is smaller than ``D*P`` since ``L < P``).
+    Long sequences / large images with few channels go the materialising way.
+
+    Measured (``benchmarks/bench_norm_forms.py``, CPU): the FLOP rule picks the faster form except near
+    the boundary, where the two are within measurement noise of each other or the materialising form is
+    up to 40% faster (the benchmark CNN's second convolution: 25 positions, D=256, P=32). There the
+    materialising form needs the batch's per-sample gradients (and the convolution's work buffers) at
+    once, which raised that CNN's peak step memory from 1.04x to 1.84x a non-private step, so the FLOP
+    rule stays.
     """
-    gram_flops = num_positions * num_positions * (patch_size + outputs_per_group)
-    direct_flops = num_positions * patch_size * outputs_per_group
-    if gram_flops >= direct_flops:
-        return False
-    direct_cost = direct_flops
-    if batch_size * patch_size * outputs_per_group > LARGE_PER_SAMPLE_ENTRIES:
-        direct_cost *= LARGE_PER_SAMPLE_SLOWDOWN
-    return gram_flops + GRAM_PATCH_COST * num_positions * patch_size < direct_cost
+    return num_positions * (patch_size + outputs_per_group) < patch_size * outputs_per_group
 
 
 def gram_squared_norms(patches: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
@@ -227,10 +212,9 @@ def conv_norm_sample(layer: _ConvLayer, activations, backprops: torch.Tensor) ->
     """Per-example squared L2 norms ``(B,)`` of the weight and bias gradients of a convolution.
 
     Guarantee: ``out[p][i] == ||conv_grad_sample(...)[p][i]||^2`` up to float rounding. The weight's
-    norm takes the Gram form ``<A A^T, G G^T>`` (through the patch matrix ``A``) when a measured cost model
-    says it is faster (``gram_is_cheaper``: few output positions, many channels), otherwise it materialises
-    the per-sample gradients of this one layer and reduces them. The bias norm is always direct
-    (``(B, C_out)``).
+    norm takes the Gram form ``<A A^T, G G^T>`` (through the patch matrix ``A``) when that is cheaper in
+    FLOPs (``gram_is_cheaper``: few output positions, many channels), otherwise it materialises the
+    per-sample gradients of this one layer and reduces them. The bias norm is always direct (``(B, C_out)``).
 
     ======================  =================================================
     case                    result
@@ -247,11 +231,12 @@ def conv_norm_sample(layer: _ConvLayer, activations, backprops: torch.Tensor) ->
         num_positions = math.prod(backprops.shape[2:])
         patch_size = layer.weight[0].numel()
         outputs_per_group = layer.out_channels // groups
-        if gram_is_cheaper(num_positions, patch_size, outputs_per_group, backprops.shape[0]):
+        if gram_is_cheaper(num_positions, patch_size, outputs_per_group):
             padded, _ = _padded_input(layer, inputs, explicit=True)
             norms[layer.weight] = windowed_gram_squared_norms(layer, padded, backprops)
         else:
-            norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).pow(2).sum(dim=1)
+            # Squared in place: the per-sample gradients are a fresh temporary (a second one would double the peak).
+            norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).square_().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
         norms[layer.bias] = bias_squared_norms(backprops)
     return norms

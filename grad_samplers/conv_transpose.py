@@ -138,12 +138,13 @@ def conv_transpose_norm_sample(
         num_positions = math.prod(inputs.shape[2:])
         patch_size = layer.weight[0].numel()  # C_out/groups * prod(k)
         inputs_per_group = layer.in_channels // groups
-        if gram_is_cheaper(num_positions, patch_size, inputs_per_group, inputs.shape[0]):
+        if gram_is_cheaper(num_positions, patch_size, inputs_per_group):
             pad = [amount for pad in reversed(layer.padding) for amount in (pad, pad)]
             padded = F.pad(backprops, pad) if any(pad) else backprops
             norms[layer.weight] = windowed_gram_squared_norms(layer, padded, inputs)
         else:
-            norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).pow(2).sum(dim=1)
+            # Squared in place: the per-sample gradients are a fresh temporary (a second one would double the peak).
+            norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).square_().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
         norms[layer.bias] = bias_squared_norms(backprops)
     return norms
