@@ -25,6 +25,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -286,6 +287,9 @@ class PerSampleGradientClipper:
         # (norms, padding mask) of each call since the last pre_step: the statistics are computed from them
         # when read (ClippingStats), not at every call.
         self._stat_batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        #: A ``torch.amp.GradScaler`` whose loss scale the per-sample gradients carry (``loss_scale``);
+        #: set by ``DPOptimizer.attach_grad_scaler``.
+        self.grad_scaler: Any = None
 
     def _check_partition(self) -> None:
         position = {id(p): i for i, p in enumerate(self.params)}
@@ -323,6 +327,21 @@ class PerSampleGradientClipper:
     def has_accumulated(self) -> bool:
         """Whether anything was accumulated since the last ``pre_step`` / ``reset``."""
         return self._totals is not None or bool(self._stat_batches)
+
+    # ------------------------------------------------------------------ loss scaling
+    def loss_scale(self) -> float:
+        """The factor the per-sample gradients handed to this clipper carry: the current scale of the
+        attached ``torch.amp.GradScaler`` (``grad_scaler``), 1 without one or when it is disabled.
+
+        Guarantee: both clipping paths divide the per-example norms by it before the clip factors are
+        formed and the clipped sums by it before they are accumulated, so what is clipped at
+        ``max_grad_norm`` is the true (unscaled) gradient of each example. The scale is read when a pass
+        is clipped, which is before ``scaler.update()`` can change it (update runs after the step).
+        """
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
 
     # ------------------------------------------------------------------ the shared rule
     def group_norms_from_squared(
@@ -448,10 +467,14 @@ class PerSampleGradientClipper:
                 grads_by_index = {i: _finite_entries(g) for i, g in grads_by_index.items()}
                 squared = _squared_norms(self.params, grads_by_index)
             norms = self.group_norms_from_squared(squared)
+            loss_scale = self.loss_scale()
+            if loss_scale != 1.0:
+                norms = norms / loss_scale  # the norms of the unscaled gradients
             factors = self.clip_factors_for_norms(norms, padding_mask=padding_mask)
+            weights = factors if loss_scale == 1.0 else factors / loss_scale
             clipped_sums = {}
             for index, grads in grads_by_index.items():
-                column = factors[:, self._group_of[id(self.params[index])]].to(device=grads.device)
+                column = weights[:, self._group_of[id(self.params[index])]].to(device=grads.device)
                 if not self.config.nan_safe:
                     # factor 0 times a NaN/Inf entry is NaN: drop those rows outright. (nan_safe
                     # already zeroed every non-finite entry, and 0 * finite = 0.)

@@ -726,6 +726,8 @@ class GhostClippingModule(GradSampleModule):
             )
         # The output gradients were kept unscaled: fold the loss reduction's factor into norms and weights.
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        # fp16 loss scaling (an attached GradScaler): the output gradients are S times the true ones.
+        scale /= clipper.loss_scale() if hasattr(clipper, "loss_scale") else 1.0
         with torch.no_grad():
             squared = dict(state.squared_norms)
             for param, grads in state.materialised.items():

@@ -57,6 +57,8 @@ def module_problems(path: str, module: nn.Module) -> list[Problem]:
     if isinstance(module, _BatchNorm) and module.training:
         problems.append(Problem(path, "replace", batchnorm_problem(path, module)))
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        # Blocking while training (as in Opacus): every training forward folds the batch's statistics,
+        # un-noised, into buffers that leave with the model. In eval mode the buffers are only read.
         problems.append(
             Problem(
                 path,
@@ -64,7 +66,7 @@ def module_problems(path: str, module: nn.Module) -> list[Problem]:
                 f"{label} is {kind}(track_running_stats=True): training updates its running statistics from the "
                 f"batch's examples without noise, and eval mode uses them, so a released model leaks them. "
                 f"Construct it with track_running_stats=False (fix_module does).",
-                blocking=False,
+                blocking=module.training,
             )
         )
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):

@@ -217,3 +217,23 @@ def test_opacus_names_resolve_to_the_fixer() -> None:
     assert validators.ModuleValidator is ModuleValidator
     assert validators.register_module_fixer is register_module_fixer
     assert validators.ShouldReplaceModuleError is ShouldReplaceModuleError
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_instancenorm_with_running_statistics_is_refused_while_training_and_fixed_by_the_fixer(mode) -> None:
+    from privacy_engine import GhostClippingModule, GradSampleModule, PerSampleGradientClipper, UnsupportedModuleError
+
+    wrapper = GhostClippingModule if mode == "ghost" else GradSampleModule
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4, affine=True, track_running_stats=True))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(UnsupportedModuleError, match=r"'1' is InstanceNorm1d\(track_running_stats=True\)"):
+        wrapper(model)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not any(hasattr(m, "_forward_hooks") and m._forward_hooks for m in model.modules())
+    fixed, _ = fix_module(model)
+    wrapped = wrapper(fixed)
+    if mode == "ghost":
+        wrapped.attach_clipper(PerSampleGradientClipper(list(fixed.parameters()), 1.0))
+    wrapped(torch.randn(3, 2, 5)).square().sum().backward()
+    model.eval()  # in eval mode the running statistics are only read: wrapping is allowed
+    wrapper(model)

@@ -566,7 +566,7 @@ def norm_configs(draw):
         dims = draw(st.integers(1, 3))
         channels = draw(st.integers(1, 3))
         layer = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[dims - 1](
-            channels, affine=True, track_running_stats=draw(st.booleans())
+            channels, affine=True  # running statistics are refused while training (test_fixer)
         )
         shape = (batch_size, channels, *(draw(st.integers(2, 3)) for _ in range(dims)))
     return layer, shape, draw(st.sampled_from(["sum", "mean"]))
