@@ -1,4 +1,5 @@
-"""Per-layer samplers of exact per-sample gradients (and, where a layer allows, of their norms).
+"""Per-layer samplers of exact per-sample gradients (and, where a layer allows, of their norms and
+weighted sums): one ``LayerSampler`` per layer family, registered for its layer types (``registry``).
 
 Importing this package registers the built-in samplers. Any module that owns parameters and has no
 sampler here goes through the ``torch.func`` fallback (``grad_samplers.functorch_fallback``).
@@ -15,13 +16,17 @@ from grad_samplers import (
 )
 from grad_samplers.registry import (
     ENTRY_POINT_GROUP,
+    LayerSampler,
     grad_sampler_for,
+    layer_sampler_for,
     load_plugins,
     norm_sampler_for,
     register_grad_sampler,
+    register_layer_sampler,
     register_norm_sampler,
     register_weighted_sum_sampler,
     registered_grad_samplers,
+    registered_layer_samplers,
     weighted_sum_sampler_for,
 )
 
@@ -34,13 +39,17 @@ def register_optional_samplers() -> None:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "LayerSampler",
     "grad_sampler_for",
+    "layer_sampler_for",
     "load_plugins",
     "norm_sampler_for",
     "register_grad_sampler",
+    "register_layer_sampler",
     "register_norm_sampler",
     "register_optional_samplers",
     "register_weighted_sum_sampler",
     "registered_grad_samplers",
+    "registered_layer_samplers",
     "weighted_sum_sampler_for",
 ]

@@ -11,36 +11,22 @@ positions that the adjoint reads through padding, so it is read off the actual s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grad_samplers.conv import (
-    bias_squared_norms,
-    check_batched_input,
-    common_dtype,
-    gram_is_cheaper,
-    windowed_gram_squared_norms,
-)
-from grad_samplers.registry import (
-    register_grad_sampler,
-    register_norm_sampler,
-    register_weighted_sum_sampler,
-    scale_per_example,
-)
+from grad_samplers._convolution import ConvolutionForms, gram_is_cheaper, windowed_gram_squared_norms
+from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 _CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _ConvTransposeLayer = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
 
-def _prepare(layer: _ConvTransposeLayer, activations, backprops: torch.Tensor):
-    inputs = activations[0]
-    check_batched_input(layer, inputs, len(layer.kernel_size))
+def _check_padding_mode(layer: _ConvTransposeLayer) -> None:
     if layer.padding_mode != "zeros":  # torch rejects this in forward already; keep the sampler honest
         raise ValueError(f"{type(layer).__name__} supports only padding_mode='zeros'; got {layer.padding_mode!r}")
-    dtype = common_dtype(inputs, backprops)
-    return inputs.to(dtype), backprops.to(dtype)
 
 
 def _effective_output_padding(layer: _ConvTransposeLayer, inputs: torch.Tensor, backprops: torch.Tensor) -> list[int]:
@@ -55,8 +41,10 @@ def _effective_output_padding(layer: _ConvTransposeLayer, inputs: torch.Tensor, 
 
 
 def _weight_backward(
-    layer: _ConvTransposeLayer, inputs: torch.Tensor, grads: torch.Tensor, groups: int, weight_shape
+    layer: _ConvTransposeLayer, inputs: torch.Tensor, grads: torch.Tensor, groups: int, weight_shape: Sequence[int]
 ) -> torch.Tensor:
+    """The weight gradient of ``conv_transpose(inputs, W)`` for output gradient ``grads``, with ``groups``
+    groups (``ConvolutionForms.weight_backward``)."""
     return torch.ops.aten.convolution_backward(
         grads,
         inputs,
@@ -72,20 +60,25 @@ def _weight_backward(
     )[1]
 
 
-def _per_sample_weight_grads(
+def _gram_weight_norms(
     layer: _ConvTransposeLayer, inputs: torch.Tensor, backprops: torch.Tensor
-) -> torch.Tensor:
-    """``(B, C_in, C_out/groups, *k)`` through one transposed-convolution weight backward with the
-    batch folded into the groups (as for ``conv``: backend kernels, no patch matrix, same FLOPs)."""
-    batch_size = backprops.shape[0]
-    folded_inputs = inputs.reshape(1, -1, *inputs.shape[2:])
-    folded_grads = backprops.reshape(1, -1, *backprops.shape[2:])
-    weight_shape = (batch_size * layer.weight.shape[0], *layer.weight.shape[1:])
-    grads = _weight_backward(layer, folded_inputs, folded_grads, batch_size * layer.groups, weight_shape)
-    return grads.reshape(batch_size, *layer.weight.shape)
+) -> torch.Tensor | None:
+    """The weight's per-example squared norms ``<A A^T, X X^T>`` over the ``L`` input positions, with ``A``
+    the patches of the (padded) output gradient and ``X`` the input; None when
+    ``gram_is_cheaper(L, C_out/groups*prod(k), C_in/groups)`` says materialising costs fewer FLOPs."""
+    num_positions = math.prod(inputs.shape[2:])
+    if not gram_is_cheaper(num_positions, layer.weight[0].numel(), layer.in_channels // layer.groups):
+        return None
+    pad = [amount for pad in reversed(layer.padding) for amount in (pad, pad)]
+    padded = F.pad(backprops, pad) if any(pad) else backprops
+    return windowed_gram_squared_norms(layer, padded, inputs)
 
 
-@register_grad_sampler(*_CONV_TRANSPOSE_TYPES)
+_FORMS = ConvolutionForms(
+    weight_backward=_weight_backward, gram_weight_norms=_gram_weight_norms, check_layer=_check_padding_mode
+)
+
+
 def conv_transpose_grad_sample(
     layer: _ConvTransposeLayer, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -100,19 +93,13 @@ def conv_transpose_grad_sample(
     ======================  =================================================
     frozen weight or bias   left out of the result
     bias=False              weight only
+    padding_mode != zeros   ValueError (torch's forward rejects it too)
     unbatched input         ValueError (no example axis)
     ======================  =================================================
     """
-    inputs, backprops = _prepare(layer, activations, backprops)
-    per_sample: dict[nn.Parameter, torch.Tensor] = {}
-    if layer.weight.requires_grad:
-        per_sample[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops)
-    if layer.bias is not None and layer.bias.requires_grad:
-        per_sample[layer.bias] = backprops.flatten(2).sum(dim=2)
-    return per_sample
+    return _FORMS.grad_sample(layer, activations, backprops)
 
 
-@register_norm_sampler(*_CONV_TRANSPOSE_TYPES)
 def conv_transpose_norm_sample(
     layer: _ConvTransposeLayer, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -131,26 +118,9 @@ def conv_transpose_norm_sample(
     unbatched input         ValueError
     ======================  =================================================
     """
-    inputs, backprops = _prepare(layer, activations, backprops)
-    norms: dict[nn.Parameter, torch.Tensor] = {}
-    if layer.weight.requires_grad:
-        groups = layer.groups
-        num_positions = math.prod(inputs.shape[2:])
-        patch_size = layer.weight[0].numel()  # C_out/groups * prod(k)
-        inputs_per_group = layer.in_channels // groups
-        if gram_is_cheaper(num_positions, patch_size, inputs_per_group):
-            pad = [amount for pad in reversed(layer.padding) for amount in (pad, pad)]
-            padded = F.pad(backprops, pad) if any(pad) else backprops
-            norms[layer.weight] = windowed_gram_squared_norms(layer, padded, inputs)
-        else:
-            # Squared in place: the per-sample gradients are a fresh temporary (a second one would double the peak).
-            norms[layer.weight] = _per_sample_weight_grads(layer, inputs, backprops).flatten(1).square_().sum(dim=1)
-    if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = bias_squared_norms(backprops)
-    return norms
+    return _FORMS.norm_sample(layer, activations, backprops)
 
 
-@register_weighted_sum_sampler(*_CONV_TRANSPOSE_TYPES)
 def conv_transpose_weighted_sum(
     layer: _ConvTransposeLayer, activations, backprops: torch.Tensor, weights: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -167,11 +137,14 @@ def conv_transpose_weighted_sum(
     unbatched input         ValueError
     ======================  =================================================
     """
-    inputs, backprops = _prepare(layer, activations, backprops)
-    scaled = scale_per_example(backprops, weights)
-    sums: dict[nn.Parameter, torch.Tensor] = {}
-    if layer.weight.requires_grad:
-        sums[layer.weight] = _weight_backward(layer, inputs, scaled, layer.groups, layer.weight.shape)
-    if layer.bias is not None and layer.bias.requires_grad:
-        sums[layer.bias] = scaled.transpose(0, 1).flatten(1).sum(dim=1)
-    return sums
+    return _FORMS.weighted_sum(layer, activations, backprops, weights)
+
+
+CONV_TRANSPOSE_SAMPLER = register_layer_sampler(
+    LayerSampler(
+        grad_sample=conv_transpose_grad_sample,
+        norm_sample=conv_transpose_norm_sample,
+        weighted_sum=conv_transpose_weighted_sum,
+    ),
+    *_CONV_TRANSPOSE_TYPES,
+)

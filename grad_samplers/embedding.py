@@ -22,13 +22,9 @@ import math
 import torch
 from torch import nn
 
+from grad_samplers._common import scale_per_example
 from grad_samplers._memory import empty_per_sample
-from grad_samplers.registry import (
-    register_grad_sampler,
-    register_norm_sampler,
-    register_weighted_sum_sampler,
-    scale_per_example,
-)
+from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 # What one element-step of the segment form (sort, gather, scatter-add: memory-bound) costs relative to one
 # multiply-add of the equal-index form's batched matmul (runs near peak). Calibrated on CPU (1 thread,
@@ -81,7 +77,6 @@ def _embedding_lookups(
     return indices, grads
 
 
-@register_grad_sampler(nn.Embedding)
 def embedding_grad_sample(
     layer: nn.Embedding, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -141,7 +136,6 @@ def _equal_index_is_cheaper(batch_size: int, num_lookups: int, embedding_dim: in
     return equal_index_cost <= segment_cost
 
 
-@register_norm_sampler(nn.Embedding)
 def embedding_norm_sample(
     layer: nn.Embedding, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -169,7 +163,6 @@ def embedding_norm_sample(
     return {layer.weight: _segment_squared_norms(indices, grads, layer.num_embeddings)}
 
 
-@register_weighted_sum_sampler(nn.Embedding)
 def embedding_weighted_sum(
     layer: nn.Embedding, activations, backprops: torch.Tensor, weights: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -253,7 +246,6 @@ def _bag_entries(
     return bag, indices, coefficient
 
 
-@register_grad_sampler(nn.EmbeddingBag)
 def embedding_bag_grad_sample(
     layer: nn.EmbeddingBag, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -285,7 +277,6 @@ def embedding_bag_grad_sample(
     return {layer.weight: per_sample.view(num_bags, layer.num_embeddings, embedding_dim)}
 
 
-@register_norm_sampler(nn.EmbeddingBag)
 def embedding_bag_norm_sample(
     layer: nn.EmbeddingBag, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -308,7 +299,6 @@ def embedding_bag_norm_sample(
     return {layer.weight: coefficient_norms * backprops.pow(2).sum(dim=1)}
 
 
-@register_weighted_sum_sampler(nn.EmbeddingBag)
 def embedding_bag_weighted_sum(
     layer: nn.EmbeddingBag, activations, backprops: torch.Tensor, weights: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -326,3 +316,19 @@ def embedding_bag_weighted_sum(
     total = backprops.new_zeros(layer.num_embeddings, embedding_dim)
     total.index_add_(0, indices, coefficient.unsqueeze(1) * scaled[bag])
     return {layer.weight: total}
+
+
+EMBEDDING_SAMPLER = register_layer_sampler(
+    LayerSampler(
+        grad_sample=embedding_grad_sample, norm_sample=embedding_norm_sample, weighted_sum=embedding_weighted_sum
+    ),
+    nn.Embedding,
+)
+EMBEDDING_BAG_SAMPLER = register_layer_sampler(
+    LayerSampler(
+        grad_sample=embedding_bag_grad_sample,
+        norm_sample=embedding_bag_norm_sample,
+        weighted_sum=embedding_bag_weighted_sum,
+    ),
+    nn.EmbeddingBag,
+)

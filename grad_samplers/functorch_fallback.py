@@ -320,6 +320,41 @@ class _ForwardOnly(nn.Module):
         return self.call_forward(*args, **kwargs)
 
 
+def _expanded_parameters(
+    params: dict[str, nn.Parameter], batch_size: int, on_per_sample_grad: PerSampleGradCallback
+) -> dict[str, torch.Tensor]:
+    """One expanded view (no copy) of each parameter per example, named for ``_ForwardOnly``; the gradient
+    autograd delivers to a view is the stack of per-example gradients, handed to ``on_per_sample_grad``."""
+    expanded: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        copies = param.unsqueeze(0).expand(batch_size, *param.shape)
+        copies.register_hook(lambda grads, param=param: on_per_sample_grad(param, grads))
+        expanded["module." + name] = copies
+    return expanded
+
+
+def _distinct_inputs(layout: _ArgumentLayout) -> tuple[list[object], list[int | None], list[int | None], list[int]]:
+    """One ``vmap`` input per distinct (tensor, split dim, keep dim): ``(inputs, their split dims, their keep
+    dims, the input of each leaf)``. A tensor passed twice stays one tensor for each example, so identity
+    checks in a forward (``query is key``) still hold."""
+    inputs: list[object] = []
+    split_dims: list[int | None] = []
+    keep_dims: list[int | None] = []
+    input_of_leaf: list[int] = []
+    seen: dict[tuple[int, int | None, int | None], int] = {}
+    for leaf, split_dim, keep_dim in zip(layout.leaves, layout.split_dims, layout.keep_dims):
+        key = (id(leaf), split_dim, keep_dim)
+        if isinstance(leaf, torch.Tensor) and key in seen:
+            input_of_leaf.append(seen[key])
+            continue
+        seen[key] = len(inputs)
+        input_of_leaf.append(len(inputs))
+        inputs.append(leaf)
+        split_dims.append(split_dim)
+        keep_dims.append(keep_dim)
+    return inputs, split_dims, keep_dims, input_of_leaf
+
+
 def per_sample_forward(
     module: nn.Module,
     original_forward: Callable,
@@ -366,29 +401,9 @@ def per_sample_forward(
     plan = _call_plan(module, args, kwargs, batch_dim, module_path)
     layout = plan.arguments
     batch_size = layout.batch_size
-    expanded: dict[str, torch.Tensor] = {}
-    for name, param in params.items():
-        copies = param.unsqueeze(0).expand(batch_size, *param.shape)
-        copies.register_hook(lambda grads, param=param: on_per_sample_grad(param, grads))
-        expanded["module." + name] = copies
+    expanded = _expanded_parameters(params, batch_size, on_per_sample_grad)
     caller = _ForwardOnly(module, original_forward)
-
-    # One vmap input per distinct (tensor, split dim, keep dim); each leaf points at its input.
-    inputs: list[object] = []
-    input_split_dims: list[int | None] = []
-    input_keep_dims: list[int | None] = []
-    input_of_leaf: list[int] = []
-    seen: dict[tuple[int, int | None, int | None], int] = {}
-    for leaf, split_dim, keep_dim in zip(layout.leaves, layout.split_dims, layout.keep_dims):
-        key = (id(leaf), split_dim, keep_dim)
-        if isinstance(leaf, torch.Tensor) and key in seen:
-            input_of_leaf.append(seen[key])
-            continue
-        seen[key] = len(inputs)
-        input_of_leaf.append(len(inputs))
-        inputs.append(leaf)
-        input_split_dims.append(split_dim)
-        input_keep_dims.append(keep_dim)
+    inputs, input_split_dims, input_keep_dims, input_of_leaf = _distinct_inputs(layout)
 
     output_spec: list = []
 

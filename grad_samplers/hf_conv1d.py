@@ -16,19 +16,11 @@ import sys
 import torch
 from torch import nn
 
-from grad_samplers.linear import linear_squared_norms, linear_weighted_sums
-from grad_samplers.registry import (
-    register_grad_sampler,
-    register_norm_sampler,
-    register_weighted_sum_sampler,
-    registered_grad_samplers,
-)
+from grad_samplers._common import batch_error, common_dtype, keyed_by_parameter, trainable_weight_and_bias
+from grad_samplers.linear import linear_norm_sample, linear_weighted_sums
+from grad_samplers.registry import LayerSampler, register_layer_sampler, registered_grad_samplers
 
 _TRANSFORMERS_MODULE = "transformers.pytorch_utils"
-
-
-def _trainable(layer: nn.Module) -> tuple[bool, bool]:
-    return layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
 
 
 def conv1d_grad_sample(layer: nn.Module, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
@@ -47,36 +39,24 @@ def conv1d_grad_sample(layer: nn.Module, activations, backprops: torch.Tensor) -
     """
     inputs = activations[0]
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-        raise ValueError(
-            f"Conv1D per-sample gradients need a batched input (batch, ..., in_features); got "
-            f"{tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__}"
-        )
-    train_weight, train_bias = _trainable(layer)
-    batch_size = backprops.shape[0]
-    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
-    grads = backprops.to(dtype).reshape(batch_size, -1, backprops.shape[-1]) if batch_size else backprops.to(dtype)
-    per_sample: dict[nn.Parameter, torch.Tensor] = {}
-    if train_weight:
-        positions = inputs.shape[1:-1].numel()
+        raise batch_error("Conv1D", "(batch, ..., in_features)", inputs)
+    weight, bias = trainable_weight_and_bias(layer)
+    batch_size, positions = backprops.shape[0], inputs.shape[1:-1].numel()
+    dtype = common_dtype(inputs, backprops)
+    # Positions counted explicitly: reshape(batch, -1, ...) is ambiguous for an empty batch.
+    grads = backprops.to(dtype).reshape(batch_size, positions, backprops.shape[-1])
+    weight_grads = bias_grads = None
+    if weight is not None:
         sequences = inputs.to(dtype).reshape(batch_size, positions, inputs.shape[-1])
-        grads = grads.reshape(batch_size, positions, backprops.shape[-1])
-        per_sample[layer.weight] = torch.bmm(sequences.transpose(1, 2), grads)
-    if train_bias:
-        per_sample[layer.bias] = grads.reshape(batch_size, -1, backprops.shape[-1]).sum(dim=1)
-    return per_sample
+        weight_grads = torch.bmm(sequences.transpose(1, 2), grads)
+    if bias is not None:
+        bias_grads = grads.sum(dim=1)
+    return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
 
 
-def conv1d_norm_sample(layer: nn.Module, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-example squared gradient norms ``(B,)`` (``linear_squared_norms``: the transpose does not change
-    a norm). Guarantee: ``out[p][i] == ||conv1d_grad_sample(...)[p][i]||^2`` up to float rounding."""
-    train_weight, train_bias = _trainable(layer)
-    weight_norms, bias_norms = linear_squared_norms(activations[0], backprops, weight=train_weight, bias=train_bias)
-    norms: dict[nn.Parameter, torch.Tensor] = {}
-    if weight_norms is not None:
-        norms[layer.weight] = weight_norms
-    if bias_norms is not None:
-        norms[layer.bias] = bias_norms
-    return norms
+#: Per-example squared gradient norms ``(B,)``: ``linear_norm_sample`` (the transpose does not change a
+#: norm). Guarantee: ``out[p][i] == ||conv1d_grad_sample(...)[p][i]||^2`` up to float rounding.
+conv1d_norm_sample = linear_norm_sample
 
 
 def conv1d_weighted_sum(
@@ -84,18 +64,21 @@ def conv1d_weighted_sum(
 ) -> dict[nn.Parameter, torch.Tensor]:
     """``sum_i weights[i] * g_i`` for the weight ``(in, out)`` and bias ``(out,)``: Linear's weighted sum,
     transposed. Guarantee: equals the weighted sum of ``conv1d_grad_sample`` up to float rounding."""
-    train_weight, train_bias = _trainable(layer)
-    weight_sum, bias_sum = linear_weighted_sums(activations[0], backprops, weights, weight=train_weight, bias=train_bias)
-    sums: dict[nn.Parameter, torch.Tensor] = {}
-    if weight_sum is not None:
-        sums[layer.weight] = weight_sum.t().contiguous()
-    if bias_sum is not None:
-        sums[layer.bias] = bias_sum
-    return sums
+    weight, bias = trainable_weight_and_bias(layer)
+    weight_sum, bias_sum = linear_weighted_sums(
+        activations[0], backprops, weights, weight=weight is not None, bias=bias is not None
+    )
+    weight_sum = None if weight_sum is None else weight_sum.t().contiguous()
+    return keyed_by_parameter(((weight, weight_sum), (bias, bias_sum)))
+
+
+CONV1D_SAMPLER = LayerSampler(
+    grad_sample=conv1d_grad_sample, norm_sample=conv1d_norm_sample, weighted_sum=conv1d_weighted_sum
+)
 
 
 def register_if_imported() -> bool:
-    """Register the three samplers for ``transformers.pytorch_utils.Conv1D`` if ``transformers`` has been
+    """Register ``CONV1D_SAMPLER`` for ``transformers.pytorch_utils.Conv1D`` if ``transformers`` has been
     imported (never imports it) and nobody registered a grad sampler for it (a plugin's stays). Returns
     whether ``Conv1D`` has a grad sampler now. Cheap to call repeatedly."""
     module = sys.modules.get(_TRANSFORMERS_MODULE)
@@ -103,10 +86,8 @@ def register_if_imported() -> bool:
     if not (isinstance(conv1d, type) and issubclass(conv1d, nn.Module)):
         return False
     if conv1d not in registered_grad_samplers():
-        register_grad_sampler(conv1d)(conv1d_grad_sample)
-        register_norm_sampler(conv1d)(conv1d_norm_sample)
-        register_weighted_sum_sampler(conv1d)(conv1d_weighted_sum)
+        register_layer_sampler(CONV1D_SAMPLER, conv1d)
     return True
 
 
-__all__ = ["conv1d_grad_sample", "conv1d_norm_sample", "conv1d_weighted_sum", "register_if_imported"]
+__all__ = ["CONV1D_SAMPLER", "conv1d_grad_sample", "conv1d_norm_sample", "conv1d_weighted_sum", "register_if_imported"]

@@ -3,21 +3,37 @@ summed over any dimensions between the batch and the features."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from grad_samplers.registry import register_grad_sampler
+from grad_samplers._common import batch_error, common_dtype, keyed_by_parameter, trainable_weight_and_bias
+from grad_samplers._memory import empty_per_sample
+from grad_samplers.registry import LayerSampler, register_layer_sampler
+
+# The direct form materialises G^T A for a block of examples at a time; this caps the block (elements).
+_DIRECT_FORM_BLOCK_ELEMENTS = 1 << 22
 
 
-@register_grad_sampler(nn.Linear)
 def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    # Imported here, not at the top: the top of this file belongs to the fast-clipping code.
-    from grad_samplers._memory import empty_per_sample
+    """Exact per-sample gradients of ``layer.weight`` ``(B, out, in)`` and ``layer.bias`` ``(B, out)``.
 
+    Guarantee: ``out[p][i]`` is the gradient of example ``i``'s loss with respect to ``p``, for inputs of
+    any rank >= 2 (every dimension between the batch and the features is a position, summed over).
+
+    ======================  ======================================
+    case                    result
+    ======================  ======================================
+    frozen weight / bias    left out of the result
+    2-D input               one position per example (outer product)
+    empty batch             ``(0, *param.shape)``
+    ======================  ======================================
+    """
     inputs = activations[0]
     batch_size = backprops.shape[0]
     per_sample: dict[nn.Parameter, torch.Tensor] = {}
-    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+    dtype = common_dtype(inputs, backprops)
     if layer.weight.requires_grad:
         # The (batch, out, in) result is written once, straight into its final (huge-page backed)
         # buffer: at MLP sizes the cost is memory traffic and page faults, not arithmetic.
@@ -45,14 +61,6 @@ def linear_grad_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -
 # Fast clipping: per-example squared norms and per-example-weighted sums without per-sample gradients.
 # An example's weight gradient is G^T A, with A its inputs (positions x in_features) and G its output
 # gradient (positions x out_features); its bias gradient is G summed over positions.
-import math
-
-from grad_samplers.registry import register_norm_sampler, register_weighted_sum_sampler
-
-# The direct form materialises G^T A for a block of examples at a time; this caps the block (elements).
-_DIRECT_FORM_BLOCK_ELEMENTS = 1 << 22
-
-
 def linear_weight_norm_form(num_positions: int, in_features: int, out_features: int) -> str:
     """How ``linear_squared_norms`` computes an example's squared weight-gradient norm, by cost.
 
@@ -76,13 +84,9 @@ def linear_weight_norm_form(num_positions: int, in_features: int, out_features: 
 def _linear_operands(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(batch, positions, in)`` inputs and ``(batch, positions, out)`` gradients in a common dtype."""
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-        raise ValueError(
-            f"Linear per-sample norms need a batched input (batch, ..., in_features); got input of shape {shape}. "
-            f"Add the batch dimension (input.unsqueeze(0) for a single example)."
-        )
+        raise batch_error("Linear", "(batch, ..., in_features)", inputs)
     if inputs.dtype != backprops.dtype:  # autocast: compute in the wider of the two
-        dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+        dtype = common_dtype(inputs, backprops)
         inputs, backprops = inputs.to(dtype), backprops.to(dtype)
     batch_size, num_positions = backprops.shape[0], math.prod(backprops.shape[1:-1])
     sequences = inputs.reshape(batch_size, num_positions, inputs.shape[-1])
@@ -178,35 +182,26 @@ def linear_weighted_sums(
     return weight_sum, bias_sum
 
 
-@register_norm_sampler(nn.Linear)
-def linear_norm_sample(layer: nn.Linear, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-example squared gradient norms of ``layer.weight`` and ``layer.bias`` (trainable ones only);
-    see ``linear_squared_norms`` for the guarantee and the choice of form."""
-    train_bias = layer.bias is not None and layer.bias.requires_grad
-    weight_norms, bias_norms = linear_squared_norms(
-        activations[0], backprops, weight=layer.weight.requires_grad, bias=train_bias
-    )
-    norms: dict[nn.Parameter, torch.Tensor] = {}
-    if weight_norms is not None:
-        norms[layer.weight] = weight_norms
-    if bias_norms is not None:
-        norms[layer.bias] = bias_norms
-    return norms
+def linear_norm_sample(layer: nn.Module, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-example squared gradient norms of a linear map's ``weight`` and ``bias`` (trainable ones only);
+    see ``linear_squared_norms`` for the guarantee and the choice of form. A norm does not see how the
+    weight is laid out, so this serves ``nn.Linear`` and the transposed HF ``Conv1D`` alike."""
+    weight, bias = trainable_weight_and_bias(layer)
+    norms = linear_squared_norms(activations[0], backprops, weight=weight is not None, bias=bias is not None)
+    return keyed_by_parameter(zip((weight, bias), norms))
 
 
-@register_weighted_sum_sampler(nn.Linear)
 def linear_weighted_sum(
     layer: nn.Linear, activations, backprops: torch.Tensor, weights: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
     """``sum_i weights[i] * g_i`` for ``layer.weight`` and ``layer.bias`` (trainable ones only); see
     ``linear_weighted_sums``."""
-    train_bias = layer.bias is not None and layer.bias.requires_grad
-    weight_sum, bias_sum = linear_weighted_sums(
-        activations[0], backprops, weights, weight=layer.weight.requires_grad, bias=train_bias
-    )
-    sums: dict[nn.Parameter, torch.Tensor] = {}
-    if weight_sum is not None:
-        sums[layer.weight] = weight_sum
-    if bias_sum is not None:
-        sums[layer.bias] = bias_sum
-    return sums
+    weight, bias = trainable_weight_and_bias(layer)
+    sums = linear_weighted_sums(activations[0], backprops, weights, weight=weight is not None, bias=bias is not None)
+    return keyed_by_parameter(zip((weight, bias), sums))
+
+
+LINEAR_SAMPLER = register_layer_sampler(
+    LayerSampler(grad_sample=linear_grad_sample, norm_sample=linear_norm_sample, weighted_sum=linear_weighted_sum),
+    nn.Linear,
+)

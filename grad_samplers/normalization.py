@@ -17,12 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from grad_samplers.registry import (
-    register_grad_sampler,
-    register_norm_sampler,
-    register_weighted_sum_sampler,
-    scale_per_example,
-)
+from grad_samplers._common import common_dtype, keyed_by_parameter, scale_per_example, trainable_weight_and_bias
+from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm)
 _NormLayer = nn.LayerNorm | nn.GroupNorm | _InstanceNorm | nn.RMSNorm
@@ -69,22 +65,12 @@ def _per_example_sum(layer: _NormLayer, values: torch.Tensor) -> torch.Tensor:
     return values.reshape(batch_size, values.shape[1], -1).sum(dim=2)
 
 
-def _affine_params(layer: _NormLayer):
-    weight = getattr(layer, "weight", None)
-    bias = getattr(layer, "bias", None)
-    return (
-        weight if weight is not None and weight.requires_grad else None,
-        bias if bias is not None and bias.requires_grad else None,
-    )
-
-
-def _inputs_and_grads(activations, backprops: torch.Tensor):
+def _inputs_and_grads(activations, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = activations[0]
-    dtype = torch.promote_types(inputs.dtype, backprops.dtype)
+    dtype = common_dtype(inputs, backprops)
     return inputs.to(dtype), backprops.to(dtype)
 
 
-@register_grad_sampler(*_NORM_TYPES)
 def normalization_grad_sample(
     layer: _NormLayer, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -103,17 +89,13 @@ def normalization_grad_sample(
     unbatched input                 ValueError (no example axis)
     ==============================  =================================================
     """
-    weight, bias = _affine_params(layer)
-    per_sample: dict[nn.Parameter, torch.Tensor] = {}
+    weight, bias = trainable_weight_and_bias(layer)
     inputs, backprops = _inputs_and_grads(activations, backprops)
-    if weight is not None:
-        per_sample[weight] = _per_example_sum(layer, backprops * _normalized_input(layer, inputs))
-    if bias is not None:
-        per_sample[bias] = _per_example_sum(layer, backprops)
-    return per_sample
+    weight_grads = None if weight is None else _per_example_sum(layer, backprops * _normalized_input(layer, inputs))
+    bias_grads = None if bias is None else _per_example_sum(layer, backprops)
+    return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
 
 
-@register_norm_sampler(*_NORM_TYPES)
 def normalization_norm_sample(
     layer: _NormLayer, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -127,7 +109,6 @@ def normalization_norm_sample(
     return {param: grads.flatten(1).pow(2).sum(dim=1) for param, grads in per_sample.items()}
 
 
-@register_weighted_sum_sampler(*_NORM_TYPES)
 def normalization_weighted_sum(
     layer: _NormLayer, activations, backprops: torch.Tensor, weights: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -137,12 +118,34 @@ def normalization_weighted_sum(
     Guarantee: equals ``sum_i weights[i] * normalization_grad_sample(...)[p][i]`` up to float rounding.
     Same cases as ``normalization_grad_sample``.
     """
-    weight, bias = _affine_params(layer)
+    # The per-sample gradients are (B, C)-sized, no larger than the output gradient: summing them with
+    # their weights costs what the ordinary gradient costs.
+    scaled = scale_per_example(backprops.to(common_dtype(activations[0], backprops)), weights)
+    per_sample = normalization_grad_sample(layer, activations, scaled)
+    return {param: grads.sum(dim=0) for param, grads in per_sample.items()}
+
+
+def normalization_term_scale(
+    layer: _NormLayer, activations, backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Each example's L2 norm ``(B,)`` of ``sum |G * x_hat|`` (weight) and ``sum |G|`` (bias): the size of the
+    terms a per-sample gradient adds up, for the first-backward check's rounding tolerance (a loss whose
+    output gradient is constant over a normalised axis makes ``sum G * x_hat`` cancel to rounding)."""
+    weight, bias = trainable_weight_and_bias(layer)
     inputs, backprops = _inputs_and_grads(activations, backprops)
-    scaled = scale_per_example(backprops, weights)
-    sums: dict[nn.Parameter, torch.Tensor] = {}
-    if weight is not None:
-        sums[weight] = _per_example_sum(layer, scaled * _normalized_input(layer, inputs)).sum(dim=0)
-    if bias is not None:
-        sums[bias] = _per_example_sum(layer, scaled).sum(dim=0)
-    return sums
+    magnitudes = backprops.abs()
+    weight_terms = None if weight is None else _per_example_sum(layer, magnitudes * _normalized_input(layer, inputs).abs())
+    bias_terms = None if bias is None else _per_example_sum(layer, magnitudes)
+    sums = keyed_by_parameter(((weight, weight_terms), (bias, bias_terms)))
+    return {param: terms.flatten(1).norm(dim=1) for param, terms in sums.items()}
+
+
+NORMALIZATION_SAMPLER = register_layer_sampler(
+    LayerSampler(
+        grad_sample=normalization_grad_sample,
+        norm_sample=normalization_norm_sample,
+        weighted_sum=normalization_weighted_sum,
+        term_scale=normalization_term_scale,
+    ),
+    *_NORM_TYPES,
+)

@@ -1,22 +1,26 @@
 """privacy-engine: differentially private training for PyTorch.
 
-Data path: module -> hooks (GradSampleModule) -> samplers (grad_samplers) -> clipper -> noise ->
-optimizer -> accountant (accountants) -> engine (PrivacyEngine).
+Data path, one folder each: ``capture/`` (GradSampleModule: hooks, the torch.func fallback) ->
+``grad_samplers/`` (per-layer samplers) -> ``clipping/`` (the rule, the materialised clipper, fast
+clipping in ``clipping/ghost/``) -> ``noise/`` (Gaussian, BandMF) -> ``training/`` (DPOptimizer, the
+loop contract, private data loaders, distributed) -> ``accountants/`` -> ``engine/`` (PrivacyEngine:
+options -> plan -> build -> ledger). ``models/`` makes a model trainable (fixer, DP recurrent layers).
 """
 
-from privacy_engine.budget import PrivacyBudget, PrivacyBudgetExceeded
-from privacy_engine.clipper import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
-from privacy_engine.distributed import DifferentiallyPrivateDistributedDataParallel
+from privacy_engine.capture import GradSampleModule, ParameterUsageError, per_sample_gradients
+from privacy_engine.clipping import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
-from privacy_engine.fixer import FixReport, ModuleValidator, fix_module
-from privacy_engine.ghost_clipping import GhostClippingModule
-from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError, per_sample_gradients
+from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
+from privacy_engine.models.fixer import FixReport, ModuleValidator, fix_module
+from privacy_engine.models.validation import UnsupportedModuleError
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
-from privacy_engine.optimizer import DPOptimizer
-from privacy_engine.sampling import DPDataLoader
-from privacy_engine.step_contract import BatchTicket, StepContract, move_to
-from privacy_engine.validation import UnsupportedModuleError
-from privacy_engine.virtual_steps import BatchMemoryManager, VirtualSteps
+from privacy_engine.training.batch_tickets import BatchTicket, move_to
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.distributed import DifferentiallyPrivateDistributedDataParallel
+from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.step_contract import StepContract
+from privacy_engine.training.virtual_steps import BatchMemoryManager, VirtualSteps
 
 __all__ = [
     "BandCandidate",

@@ -99,7 +99,7 @@ def resume(out: str, pairs: list[str]) -> None:
 
 
 def slow_save(path: str) -> None:
-    from privacy_engine import checkpoint
+    from privacy_engine.engine import checkpoint
 
     original_write = checkpoint._HashingWriter.write
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accountants import make_accountant
 from privacy_engine import BatchMemoryManager, PrivacyEngine
-from privacy_engine.distributed import (
+from privacy_engine.training.distributed import (
     DifferentiallyPrivateDistributedDataParallel,
     DistributedSettingsError,
     DistributedStepError,
@@ -144,7 +144,7 @@ def virtual(rank: int) -> dict:
 def opacus_names(rank: int) -> dict:
     """A script that builds the pieces by hand under Opacus's names."""
     from privacy_engine import GradSampleModule
-    from privacy_engine.distributed import DistributedDPOptimizer, distributed_data_loader
+    from privacy_engine.training.distributed import DistributedDPOptimizer, distributed_data_loader
 
     model = DifferentiallyPrivateDistributedDataParallel(mlp())
     wrapped = GradSampleModule(model)

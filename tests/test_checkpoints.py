@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from privacy_engine import PrivacyEngine, checkpoint
-from privacy_engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from privacy_engine import PrivacyEngine
+from privacy_engine.engine import checkpoint
+from privacy_engine.engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from privacy_engine.noise import BandMFNoise, GaussianNoise
 from tests import checkpoint_worker as worker
 

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from privacy_engine.clipper import (
+from privacy_engine.capture import GradSampleModule
+from privacy_engine.clipping import (
     ClippingConfig,
     PerSampleGradientClipper,
     parameter_groups,
 )
-from privacy_engine.grad_sample_module import GradSampleModule
 from tests.conftest import per_example_reference
 
 SHAPES = [(3, 4), (3,), (2, 3), (2,)]  # two "layers": (weight, bias) twice

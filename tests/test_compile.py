@@ -13,7 +13,7 @@ import torch
 from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from torch import nn
 
-from privacy_engine import GradSampleModule, PerSampleGradientClipper
+from privacy_engine import GhostClippingModule, GradSampleModule, PerSampleGradientClipper
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("PRIVACY_ENGINE_TEST_COMPILE") != "1",
@@ -46,7 +46,7 @@ def test_compiled_ghost_mode_is_exact() -> None:
     bound = float(norms.median())
     factors = (bound / norms).clamp(max=1.0)
     clipper = PerSampleGradientClipper(list(model.parameters()), max_grad_norm=bound)
-    compiled = torch.compile(GradSampleModule(model, grad_sample_mode="ghost", clipper=clipper))
+    compiled = torch.compile(GhostClippingModule(model, clipper=clipper))
     for _ in range(2):
         nn.functional.cross_entropy(compiled(x), labels).backward()
         clipper.pre_step()

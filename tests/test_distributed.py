@@ -1,4 +1,4 @@
-"""Distributed private training (privacy_engine.distributed): 2 ranks on gloo, loopback only.
+"""Distributed private training (privacy_engine.training.distributed): 2 ranks on gloo, loopback only.
 
 One 2-process job (tests/distributed_worker.py, spawned once per module, hard time limit) runs every
 scenario; the tests below check what each rank saw against independent references: a float64
@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from privacy_engine.distributed import (
+from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.training.distributed import (
     DistributedCyclicPoissonBatchSampler,
     DistributedPoissonBatchSampler,
     RankZeroNoise,
 )
-from privacy_engine.noise import BandMFNoise, GaussianNoise
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_worker.py"

@@ -13,11 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from accountants import make_accountant
+from privacy_engine.capture import GradSampleModule
 from privacy_engine.engine import PrivacyEngine
-from privacy_engine.grad_sample_module import GradSampleModule
-from privacy_engine.optimizer import DPOptimizer
-from privacy_engine.sampling import DPDataLoader
-from privacy_engine.validation import UnsupportedModuleError
+from privacy_engine.models.validation import UnsupportedModuleError
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.optimizer import DPOptimizer
 from tests.conftest import module_fingerprint
 
 NUM_EXAMPLES = 40

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from accountants import calibrate_noise_multiplier, make_accountant
 from privacy_engine.engine import CANDIDATE_NUM_BANDS, PrivacyEngine
 from privacy_engine.noise import BandMFNoise
-from privacy_engine.strategy import optimize_banded_toeplitz, strategy_loss
+from privacy_engine.noise.strategy import optimize_banded_toeplitz, strategy_loss
 from tests.conftest import module_fingerprint
 
 NUM_EXAMPLES = 40

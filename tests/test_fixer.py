@@ -11,7 +11,7 @@ from conftest import assert_matches_reference, per_example_reference
 from torch import nn
 
 from privacy_engine import GradSampleModule, ModuleValidator, fix_module
-from privacy_engine.fixer import (
+from privacy_engine.models.fixer import (
     IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
     UnsupportableModuleError,

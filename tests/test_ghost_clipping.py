@@ -24,12 +24,13 @@ from grad_samplers.linear import (
     linear_weight_norm_form,
     linear_weighted_sums,
 )
-from privacy_engine import GradSampleModule, ParameterUsageError, ghost_clipping
-from privacy_engine.clip_factors import clip_factors
-from privacy_engine.clipper import PerSampleGradientClipper, parameter_groups
-from privacy_engine.ghost_clipping import GhostClippingModule
+from privacy_engine import GradSampleModule, ParameterUsageError
+from privacy_engine.clipping import PerSampleGradientClipper, parameter_groups
+from privacy_engine.clipping.ghost import GhostClippingModule
+from privacy_engine.clipping.ghost import backward as ghost_clipping
+from privacy_engine.clipping.rule import clip_factors
 from privacy_engine.noise import BandMFNoise, GaussianNoise
-from privacy_engine.optimizer import DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from workloads import build_cnn, build_mlp, build_transformer
@@ -604,10 +605,11 @@ def test_unwrapping_leaves_nothing_behind():
     assert module_fingerprint(model) == before
 
 
-def test_grad_sample_module_dispatches_ghost_mode():
+def test_grad_sample_module_refuses_ghost_mode_and_names_the_fast_clipping_wrapper():
     model = nn.Linear(2, 2)
-    wrapped = GradSampleModule(model, grad_sample_mode="ghost")
-    assert isinstance(wrapped, GhostClippingModule)
-    assert type(GradSampleModule(nn.Linear(2, 2), grad_sample_mode="hooks")) is GradSampleModule
+    with pytest.raises(ValueError, match="GhostClippingModule"):
+        GradSampleModule(model, grad_sample_mode="ghost")
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())
+    assert type(GradSampleModule(model, grad_sample_mode="hooks")) is GradSampleModule
     with pytest.raises(ValueError, match="grad_sample_mode"):
         GradSampleModule(nn.Linear(2, 2), grad_sample_mode="ghosts")

@@ -171,3 +171,38 @@ def test_a_non_scaler_is_refused_by_name():
     _, optimizer = _private("hooks", model)
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
         optimizer.attach_grad_scaler(object())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_make_private_with_a_grad_scaler_trains_as_the_unscaled_loop(mode):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from privacy_engine import PrivacyEngine
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(64, 6, dtype=torch.float64, generator=generator), torch.randint(0, 3, (64,), generator=generator))
+
+    def train(scaler):
+        torch.manual_seed(11)
+        model = _model()
+        engine = PrivacyEngine(accountant="rdp")
+        made = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                   data_loader=DataLoader(data, batch_size=16), noise_multiplier=1.0, max_grad_norm=C,
+                                   grad_sample_mode=mode, grad_scaler=scaler)  # fmt: skip
+        wrapped, optimizer, loader = made[0], made[1], made[-1]
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), engine.accountant.steps
+
+    plain, plain_steps = train(None)
+    scaled, scaled_steps = train(torch.amp.GradScaler("cpu", init_scale=2.0**14))
+    assert scaled_steps == plain_steps == 4
+    torch.testing.assert_close(scaled, plain, rtol=1e-10, atol=1e-12)

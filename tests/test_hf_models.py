@@ -17,7 +17,7 @@ import torch
 from conftest import ATOL, RTOL, assert_matches_reference, per_example_reference
 from torch import nn
 
-from privacy_engine import GradSampleModule, PerSampleGradientClipper
+from privacy_engine import GhostClippingModule, GradSampleModule, PerSampleGradientClipper
 
 BATCH, SEQ, VOCAB, LABELS = 4, 8, 50, 3  # BATCH a power of two: scaling a float32 loss by it is exact
 
@@ -27,7 +27,7 @@ def _ghost_clipped_sum(model: nn.Module, call, max_grad_norm: float) -> tuple[di
     """Run one ghost-clipping backward; return name -> clipped sum and the per-example norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     clipper = PerSampleGradientClipper(params, max_grad_norm=max_grad_norm)
-    wrapped = GradSampleModule(model, grad_sample_mode="ghost", clipper=clipper)
+    wrapped = GhostClippingModule(model, clipper=clipper)
     call(wrapped).backward()
     norms = wrapped.last_per_sample_norms.flatten()
     clipper.pre_step()
@@ -405,6 +405,6 @@ def test_activation_checkpointing_is_refused_clearly(mode: str) -> None:
     model, batch, _ = _family("bert")
     model.gradient_checkpointing_enable()
     clipper = PerSampleGradientClipper([p for p in model.parameters() if p.requires_grad], max_grad_norm=1.0)
-    wrapped = GradSampleModule(model, grad_sample_mode=mode, **({"clipper": clipper} if mode == "ghost" else {}))
+    wrapped = GhostClippingModule(model, clipper=clipper) if mode == "ghost" else GradSampleModule(model)
     with pytest.raises(RuntimeError, match="activation checkpointing"):
         wrapped(**batch).loss.backward()

@@ -1,4 +1,4 @@
-"""The loop contract, tested as users write their loops (privacy_engine.step_contract).
+"""The loop contract, tested as users write their loops (privacy_engine.training.step_contract).
 
 Each ``optimizer.step()`` releases the noised sum of exactly the examples the accounted sampling drew
 for that step, each clipped on its own, or raises before anything is released or counted. Every test
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, Wei
 
 from accountants import make_accountant
 from privacy_engine import PrivacyEngine
-from privacy_engine.step_contract import move_to
+from privacy_engine.training.batch_tickets import move_to
 
 NUM_EXAMPLES = 40
 FEATURES = 6
@@ -406,7 +406,7 @@ def test_bandmf_groups_are_assigned_independently_by_default():
     # with independent assignment, removing one example changes no other example's group: rebuild with the
     # same generator state over one example less and compare memberships
     generator = torch.Generator().manual_seed(5)
-    from privacy_engine.sampling import CyclicPoissonBatchSampler
+    from privacy_engine.training.sampling import CyclicPoissonBatchSampler
 
     full = CyclicPoissonBatchSampler(NUM_EXAMPLES, 2, 0.5, generator=generator)
     generator = torch.Generator().manual_seed(5)

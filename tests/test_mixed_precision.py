@@ -16,7 +16,7 @@ import torch
 from conftest import per_example_reference
 from torch import nn
 
-from privacy_engine import GradSampleModule, ParameterUsageError, PerSampleGradientClipper
+from privacy_engine import GhostClippingModule, GradSampleModule, ParameterUsageError, PerSampleGradientClipper
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -173,7 +173,7 @@ def test_ghost_clipping_under_autocast(dtype: torch.dtype) -> None:
     bound = float(exact_norms.median())
     params = list(model.parameters())
     clipper = PerSampleGradientClipper(params, max_grad_norm=bound)
-    wrapped = GradSampleModule(model, grad_sample_mode="ghost", clipper=clipper)
+    wrapped = GhostClippingModule(model, clipper=clipper)
     _loss(wrapped, x, y, dtype).backward()
     norms = wrapped.last_per_sample_norms.flatten()
     assert norms.dtype == torch.float32
@@ -198,7 +198,7 @@ def test_ghost_clipped_contribution_within_bound_under_autocast(dtype: torch.dty
     model = _groupnorm_cnn()
     params = list(model.parameters())
     clipper = PerSampleGradientClipper(params, max_grad_norm=1e-3)
-    wrapped = GradSampleModule(model, grad_sample_mode="ghost", clipper=clipper)
+    wrapped = GhostClippingModule(model, clipper=clipper)
     x, y = _batch(16, 5)
     for i in range(len(x)):
         _loss(wrapped, x[i : i + 1], y[i : i + 1], dtype).backward()

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from privacy_engine import noise_prefetch
 from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.noise import prefetch as noise_prefetch
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]
 

@@ -18,7 +18,8 @@ from accountants import make_accountant
 from grad_samplers import registry
 from privacy_engine import GradSampleModule as EngineGradSampleModule
 from privacy_engine import PrivacyEngine as EnginePrivacyEngine
-from privacy_engine.manual_grad_sample import ManualGradSampleModule
+from privacy_engine.capture.manual import ManualGradSampleModule
+from privacy_engine.models.validation import UnsupportedModuleError
 from privacy_engine.opacus import GradSampleModule, PrivacyEngine
 from privacy_engine.opacus._lazy import lazy_attribute, unavailable
 from privacy_engine.opacus.accountants import PRVAccountant, RDPAccountant
@@ -30,8 +31,7 @@ from privacy_engine.opacus.layers import DPMultiheadAttention
 from privacy_engine.opacus.optimizers import DPOptimizer
 from privacy_engine.opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from privacy_engine.opacus.utils.per_sample_gradients_utils import check_per_sample_gradients_are_correct
-from privacy_engine.validation import UnsupportedModuleError
-from privacy_engine.virtual_steps import VirtualSteps
+from privacy_engine.training.virtual_steps import VirtualSteps
 
 OPACUS_INSTALLED = importlib.util.find_spec("opacus") is not None
 

@@ -179,7 +179,7 @@ def _registries() -> list[dict]:
     """The global tables an example may register into (grad samplers, module validators and fixers),
     this engine's and, when installed, Opacus's."""
     from grad_samplers import registry
-    from privacy_engine.fixer import ModuleValidator
+    from privacy_engine.models.fixer import ModuleValidator
 
     tables = [registry._GRAD_SAMPLERS, registry._NORM_SAMPLERS, ModuleValidator.VALIDATORS, ModuleValidator.FIXERS]
     if OPACUS_INSTALLED:

@@ -13,12 +13,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accountants import make_accountant
-from privacy_engine.clipper import PerSampleGradientClipper
-from privacy_engine.grad_sample_module import GradSampleModule
+from privacy_engine.capture import GradSampleModule
+from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.noise import BandMFNoise, GaussianNoise
-from privacy_engine.optimizer import DPOptimizer
-from privacy_engine.sampling import DPDataLoader
-from privacy_engine.virtual_steps import BatchMemoryManager, VirtualSteps, split_batch
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.virtual_steps import BatchMemoryManager, VirtualSteps, split_batch
 from tests.conftest import per_example_reference
 
 

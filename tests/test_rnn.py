@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from grad_samplers import rnn as rnn_module
 from privacy_engine import GradSampleModule, ParameterUsageError, PrivacyEngine
-from privacy_engine.clip_factors import clip_factors
-from privacy_engine.clipper import PerSampleGradientClipper
-from privacy_engine.ghost_clipping import GhostClippingModule
-from privacy_engine.layers import DPGRU, DPLSTM, DPRNN, torch_rnn_state_dict
+from privacy_engine.clipping import PerSampleGradientClipper
+from privacy_engine.clipping.ghost import GhostClippingModule
+from privacy_engine.clipping.rule import clip_factors
+from privacy_engine.models.recurrent import DPGRU, DPLSTM, DPRNN, torch_rnn_state_dict
 
 DOUBLE = torch.float64
 BATCH, STEPS, FEATURES, HIDDEN, PROJECTED = 3, 4, 3, 3, 2

@@ -9,11 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from privacy_engine.sampling import (
-    CyclicPoissonBatchSampler,
-    DPDataLoader,
-    PoissonBatchSampler,
-)
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
 
 
 class IndexDataset(Dataset):

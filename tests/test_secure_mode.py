@@ -12,16 +12,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from privacy_engine import PrivacyEngine, checkpoint, sampling, secure_random
-from privacy_engine.noise import BandMFNoise, GaussianNoise
-from privacy_engine.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
-from privacy_engine.secure_random import (
+from privacy_engine import PrivacyEngine
+from privacy_engine.engine import checkpoint
+from privacy_engine.noise import BandMFNoise, GaussianNoise, secure_random
+from privacy_engine.noise.secure_random import (
     SecureGenerator,
     full_entropy_generator,
     secure_permutation,
     secure_randint,
     secure_uniform,
 )
+from privacy_engine.training import sampling
+from privacy_engine.training.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
 
 MT_INIT = 1812433253
 CPU_STATE_BYTES = torch.Generator().get_state().numel()

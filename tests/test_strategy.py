@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from privacy_engine.noise import BandMFNoise
-from privacy_engine.strategy import (
+from privacy_engine.noise.strategy import (
     expected_error,
     optimize_banded_toeplitz,
     strategy_loss,

@@ -62,7 +62,7 @@ def _check_arguments(args: transformers.TrainingArguments) -> None:
     if args.world_size > 1 or args.n_gpu > 1:
         raise ValueError(
             f"DPTrainer runs on one process and one device (world_size={args.world_size}, n_gpu={args.n_gpu}): "
-            f"its private loader samples the whole dataset on each step. Use privacy_engine.distributed for "
+            f"its private loader samples the whole dataset on each step. Use privacy_engine.training.distributed for "
             f"several processes."
         )
 

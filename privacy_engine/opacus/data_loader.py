@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from privacy_engine.opacus._lazy import lazy_attribute
-from privacy_engine.rewrap import plain_loader_for
-from privacy_engine.sampling import DPDataLoader as _DPDataLoader
-from privacy_engine.sampling import PoissonBatchSampler
+from privacy_engine.training.data_loader import DPDataLoader as _DPDataLoader
+from privacy_engine.training.rewrap import plain_loader_for
+from privacy_engine.training.sampling import PoissonBatchSampler
 
 __all__ = ["DPDataLoader"]
 
@@ -105,7 +105,7 @@ class DPDataLoader(_DPDataLoader):
         if distributed:
             build = lazy_attribute(
                 "DPDataLoader.from_data_loader(distributed=True)",
-                "privacy_engine.distributed",
+                "privacy_engine.training.distributed",
                 ("distributed_data_loader", "DistributedDPDataLoader"),
                 "distributed Poisson sampling",
             )

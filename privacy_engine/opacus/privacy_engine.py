@@ -24,13 +24,14 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from accountants import Accountant
-from privacy_engine import checkpoint
 from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
+from privacy_engine.engine import checkpoint
+from privacy_engine.engine.options import takes_settings
 from privacy_engine.opacus.accountants import create_accountant
 from privacy_engine.opacus.grad_sample import wrap_opacus_keys
 from privacy_engine.opacus.optimizers import DPOptimizer
 from privacy_engine.opacus.validators import fixer_attribute
-from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["PrivacyEngine", "forbid_accumulation_hook"]
 
@@ -118,20 +119,11 @@ class PrivacyEngine(_PrivacyEngine):
             optimizer.__class__ = DPOptimizer
         return (module, optimizer, *rest)
 
-    def make_private(
-        self,
-        *,
-        module: nn.Module,
-        optimizer: Optimizer,
-        data_loader: DataLoader,
-        noise_multiplier: float,
-        max_grad_norm: float | list[float],
-        criterion: Any = None,
-        wrap_model: bool = True,
-        rand_on_empty: bool = False,
-        **kwargs: Any,
-    ) -> tuple:
-        """The engine's ``make_private`` (its guarantee and edge cases) with Opacus's keywords.
+    @takes_settings("make_private")
+    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
+                     rand_on_empty: bool = False, **settings: Any) -> tuple:  # fmt: skip
+        """The engine's ``make_private`` (its guarantee and edge cases) with Opacus's keywords;
+        ``settings``: the fields of ``PrivacyOptions`` (``noise_multiplier``, ``max_grad_norm``, ...).
 
         Returns ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
         data_loader)`` with ``grad_sample_mode="ghost"`` (the criterion is returned as given:
@@ -150,26 +142,14 @@ class PrivacyEngine(_PrivacyEngine):
         ==============================  ==========================================
         """
         self._opacus_options(wrap_model, rand_on_empty)
-        return self._as_opacus(super().make_private(
-            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm, criterion=criterion, **kwargs,
-        ))  # fmt: skip
+        made = super().make_private(module=module, optimizer=optimizer, data_loader=data_loader, **settings)
+        return self._as_opacus(made)
 
+    @takes_settings("make_private_with_epsilon")
     def make_private_with_epsilon(
-        self,
-        *,
-        module: nn.Module,
-        optimizer: Optimizer,
-        data_loader: DataLoader,
-        target_epsilon: float,
-        target_delta: float,
-        epochs: int,
-        max_grad_norm: float | list[float],
-        criterion: Any = None,
-        wrap_model: bool = True,
-        rand_on_empty: bool = False,
-        **kwargs: Any,
-    ) -> tuple:
+        self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
+        rand_on_empty: bool = False, **settings: Any,
+    ) -> tuple:  # fmt: skip
         """The engine's ``make_private_with_epsilon`` (calibrated on this engine's accountant over the
         steps the private loader runs) with Opacus's keywords; see ``make_private``. Like Opacus, it
         warns when the accountant already holds steps (the calibration assumes it starts empty)."""
@@ -180,10 +160,10 @@ class PrivacyEngine(_PrivacyEngine):
                 "this run were the only one, so the total epsilon will exceed target_epsilon",
                 stacklevel=2,
             )
-        return self._as_opacus(super().make_private_with_epsilon(
-            module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
-            target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm, criterion=criterion, **kwargs,
-        ))  # fmt: skip
+        made = super().make_private_with_epsilon(
+            module=module, optimizer=optimizer, data_loader=data_loader, **settings
+        )
+        return self._as_opacus(made)
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(
@@ -224,7 +204,7 @@ class PrivacyEngine(_PrivacyEngine):
                 noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
                 module_load_dict_kwargs=module_load_dict_kwargs, torch_load_kwargs=torch_load_kwargs,
             )  # fmt: skip
-        name = checkpoint._name(path)
+        name = checkpoint.display_name(path)
         load_kwargs = dict(torch_load_kwargs or {})
         load_kwargs.pop("weights_only", None)
         try:

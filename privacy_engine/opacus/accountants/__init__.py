@@ -23,7 +23,7 @@ from typing import Any
 from accountants import Accountant
 from accountants import PLDAccountant as _PLDAccountant
 from accountants import RDPAccountant as _RDPAccountant
-from accountants.base import STATE_DICT_FORMAT
+from accountants.state import STATE_DICT_FORMAT
 from privacy_engine.opacus._lazy import unavailable
 
 __all__ = [

@@ -21,9 +21,9 @@ from typing import Any
 from torch import nn
 
 from grad_samplers.registry import register_grad_sampler, register_norm_sampler
-from privacy_engine.ghost_clipping import GhostClippingModule
-from privacy_engine.grad_sample_module import GradSampleModule as _GradSampleModule
-from privacy_engine.manual_grad_sample import ManualGradSampleModule
+from privacy_engine.capture import GradSampleModule as _GradSampleModule
+from privacy_engine.capture.manual import ManualGradSampleModule
+from privacy_engine.clipping.ghost import GhostClippingModule
 
 __all__ = [
     "AbstractGradSampleModule",
@@ -58,7 +58,7 @@ class _OpacusStateDict:
 
     def forbid_grad_accumulation(self) -> None:
         """Accepted for Opacus scripts; nothing to switch on: the step contract already clips each
-        backward pass's examples on their own (see ``privacy_engine.step_contract``)."""
+        backward pass's examples on their own (see ``privacy_engine.training.step_contract``)."""
 
     def allow_grad_accumulation(self) -> None:
         """Accepted for Opacus scripts (see ``forbid_grad_accumulation``)."""
@@ -115,7 +115,7 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule
 
 class GradSampleModuleNoOp(_OpacusStateDict, ManualGradSampleModule):
     """``grad_sample_mode="no_op"``: the loop computes ``p.grad_sample`` itself (see
-    ``privacy_engine.manual_grad_sample.ManualGradSampleModule``), with Opacus's keys."""
+    ``privacy_engine.capture.ManualGradSampleModule``), with Opacus's keys."""
 
     def forbid_grad_accumulation(self) -> None:
         """Accepted for Opacus scripts (nothing to switch on)."""

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from privacy_engine.grad_sample_module import GradSampleModule
-from privacy_engine.manual_grad_sample import ManualGradSampleModule
+from privacy_engine.capture import GradSampleModule
+from privacy_engine.capture.manual import ManualGradSampleModule
 
 __all__ = ["make_functional"]
 

@@ -31,7 +31,8 @@ AdaClipDPOptimizer = unavailable(
 
 def __getattr__(name: str):
     if name == "DistributedDPOptimizer":
-        return lazy_attribute(name, "privacy_engine.distributed", ("DistributedDPOptimizer",), "distributed DP-SGD")
+        return lazy_attribute(name, "privacy_engine.training.distributed", ("DistributedDPOptimizer",),
+                              "distributed DP-SGD")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

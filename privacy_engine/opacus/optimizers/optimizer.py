@@ -17,7 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
-from privacy_engine.optimizer import DPOptimizer as _DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["DPOptimizer", "DPPerLayerOptimizer", "_check_processed_flag", "_mark_as_processed"]
 
@@ -85,7 +85,7 @@ class _SubclassNoise(NoiseMechanism):
 
 
 class DPOptimizer(_DPOptimizer):
-    """The engine's ``DPOptimizer`` (see ``privacy_engine.optimizer``) with Opacus's constructor
+    """The engine's ``DPOptimizer`` (see ``privacy_engine.training.optimizer``) with Opacus's constructor
     (``generator=`` seeds the noise; Opacus's other keywords go to the engine's), Opacus's
     extension points (an ``add_noise()`` override, ``attach_step_hook``) and attributes
     (``accumulated_iterations``, ``grad_samples``, ``p.summed_grad`` inside ``add_noise``).

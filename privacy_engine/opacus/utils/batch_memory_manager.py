@@ -2,6 +2,6 @@
 keyword arguments; each logical batch is split into physical batches of at most
 ``max_physical_batch_size``, and the optimizer releases one step per logical batch)."""
 
-from privacy_engine.virtual_steps import BatchMemoryManager
+from privacy_engine.training.virtual_steps import BatchMemoryManager
 
 __all__ = ["BatchMemoryManager"]

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from privacy_engine.grad_sample_module import GradSampleModule, ParameterUsageError
+from privacy_engine.capture import GradSampleModule, ParameterUsageError
 
 __all__ = ["check_per_sample_gradients_are_correct"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from privacy_engine.opacus._lazy import lazy_attribute
-from privacy_engine.sampling import PoissonBatchSampler
+from privacy_engine.training.sampling import PoissonBatchSampler
 
 __all__ = ["DistributedUniformWithReplacementSampler", "UniformWithReplacementSampler"]  # noqa: F822  (served by __getattr__ below)
 
@@ -23,6 +23,6 @@ class UniformWithReplacementSampler(PoissonBatchSampler):
 
 def __getattr__(name: str):
     if name == "DistributedUniformWithReplacementSampler":
-        return lazy_attribute(name, "privacy_engine.distributed", (name, "DistributedPoissonBatchSampler"),
+        return lazy_attribute(name, "privacy_engine.training.distributed", (name, "DistributedPoissonBatchSampler"),
                               "distributed Poisson sampling")  # fmt: skip
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

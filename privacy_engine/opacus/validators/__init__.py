@@ -1,7 +1,7 @@
 """``opacus.validators``: ``ModuleValidator`` and its registration decorators, the engine's module
-fixer (``privacy_engine.fixer``: validate, fix, register validators and fixers, Opacus's error types).
+fixer (``privacy_engine.models.fixer``: validate, fix, register validators and fixers, Opacus's error types).
 
-The names are looked up in ``privacy_engine.fixer`` when used, so importing this module always works.
+The names are looked up in ``privacy_engine.models.fixer`` when used, so importing this module always works.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ __all__ = [
 
 
 def fixer_attribute(name: str) -> Any:
-    """``privacy_engine.fixer.<name>``, or a stand-in that explains its absence when used."""
-    return lazy_attribute(name, "privacy_engine.fixer", (name,), "the module validator and fixer")
+    """``privacy_engine.models.fixer.<name>``, or a stand-in that explains its absence when used."""
+    return lazy_attribute(name, "privacy_engine.models.fixer", (name,), "the module validator and fixer")
 
 
 def __getattr__(name: str) -> Any:

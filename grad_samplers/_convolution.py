@@ -1,0 +1,208 @@
+"""What ``conv`` and ``conv_transpose`` share: the three sampler forms of a (transposed) convolution, built
+on the few operations in which the two differ (``ConvolutionForms``), and the Gram-form helpers.
+
+A convolution is a matrix product per output position: with ``A`` the input patches of one example
+(``L`` positions x ``D = C_in/groups * prod(kernel)`` values, per group) and ``G`` its output gradient
+(``L x P``, ``P = C_out/groups``), the example's weight gradient is ``G^T A`` (``P x D``) and its bias
+gradient is ``G`` summed over positions. A transposed convolution is the same with the roles of input
+and output gradient swapped (see ``conv_transpose``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grad_samplers._common import (
+    batch_error,
+    common_dtype,
+    keyed_by_parameter,
+    scale_per_example,
+    trainable_weight_and_bias,
+)
+
+Tensors = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_batched_input(layer: nn.Module, inputs: torch.Tensor, spatial_dims: int) -> None:
+    """Raise if ``inputs`` is not ``(batch, channels, *spatial)``: an unbatched call has no example axis."""
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != spatial_dims + 2:
+        raise batch_error(type(layer).__name__, f"of shape (batch, channels, {spatial_dims} spatial dims)", inputs)
+
+
+def sliding_windows(
+    padded: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    num_positions: Sequence[int],
+) -> torch.Tensor:
+    """``(B, C, *S)`` (already padded) -> ``(B, C, *num_positions, *kernel_size)``: the value under each
+    kernel tap at each output position. A strided view, no copy; positions past ``num_positions`` are
+    cut off (a transposed convolution's adjoint can have one more than it uses)."""
+    windows = padded
+    spatial_dims = len(kernel_size)
+    for axis in range(spatial_dims):
+        span = dilation[axis] * (kernel_size[axis] - 1) + 1
+        # Each unfold appends its window axis at the end, so the spatial axes keep positions 2..2+n-1.
+        windows = windows.unfold(2 + axis, span, stride[axis])
+    taps = tuple(slice(None, None, step) for step in dilation)
+    positions = tuple(slice(0, count) for count in num_positions)
+    return windows[(slice(None), slice(None), *positions, *taps)]
+
+
+def grouped_patches(windows: torch.Tensor, groups: int, spatial_dims: int) -> torch.Tensor:
+    """``(B, C, *O, *K)`` windows -> ``(B, groups, L, C/groups * prod(K))`` patch matrices (one copy)."""
+    batch_size, channels = windows.shape[:2]
+    positions = windows.shape[2 : 2 + spatial_dims]
+    kernel = windows.shape[2 + spatial_dims :]
+    grouped = windows.reshape(batch_size, groups, channels // groups, *positions, *kernel)
+    # (B, g, c, *O, *K) -> (B, g, *O, c, *K): positions become rows, (channel, taps) the columns.
+    order = [0, 1, *range(3, 3 + spatial_dims), 2, *range(3 + spatial_dims, 3 + 2 * spatial_dims)]
+    return grouped.permute(order).reshape(batch_size, groups, -1, (channels // groups) * kernel.numel())
+
+
+def gram_is_cheaper(num_positions: int, patch_size: int, outputs_per_group: int) -> bool:
+    """Whether the Gram form of the per-example squared norm beats materialising ``G^T A``.
+
+    Per example and group, materialising costs ``L*D*P`` multiply-adds and ``D*P`` memory; the Gram
+    form ``<A A^T, G G^T>`` costs ``L^2*(D+P)`` multiply-adds and ``L^2`` memory. So the Gram form wins
+    on FLOPs exactly when ``L*(D+P) < D*P``; then ``L < D*P/(D+P) <= sqrt(D*P)/2``, so ``L^2 < D*P/4``
+    and it also wins on memory (and its patch matrix, ``L*D``, is smaller than ``D*P`` since ``L < P``).
+    Long sequences / large images with few channels go the materialising way.
+
+    Measured (``benchmarks/bench_norm_forms.py``, CPU): the FLOP rule picks the faster form except near
+    the boundary, where the two are within measurement noise of each other or the materialising form is
+    up to 40% faster (the benchmark CNN's second convolution: 25 positions, D=256, P=32). There the
+    materialising form needs the batch's per-sample gradients (and the convolution's work buffers) at
+    once, which raised that CNN's peak step memory from 1.04x to 1.84x a non-private step, so the FLOP
+    rule stays.
+    """
+    return num_positions * (patch_size + outputs_per_group) < patch_size * outputs_per_group
+
+
+def gram_squared_norms(patches: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """``||grads_b^T patches_b||_F^2`` summed over groups, for ``patches (B, g, L, D)``, ``grads (B, g, L, P)``,
+    via ``<patches patches^T, grads grads^T>`` (no ``P x D`` matrix per example)."""
+    patch_gram = torch.matmul(patches, patches.transpose(-1, -2))
+    grad_gram = torch.matmul(grads, grads.transpose(-1, -2))
+    return (patch_gram * grad_gram).sum(dim=(1, 2, 3))
+
+
+def windowed_gram_squared_norms(layer: nn.Module, windowed: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms of a (transposed) convolution's weight gradient in the Gram form:
+    the kernel windows of ``windowed`` (already padded) against ``other`` ``(B, C, *positions)``, one
+    window per position of ``other``. A convolution windows its input against the output gradient; a
+    transposed convolution windows the output gradient against its input (the same maths, roles swapped).
+    """
+    batch_size, groups = other.shape[0], layer.groups
+    positions = other.shape[2:]
+    windows = sliding_windows(windowed, layer.kernel_size, layer.stride, layer.dilation, positions)
+    patches = grouped_patches(windows, groups, len(layer.kernel_size))
+    grads = other.reshape(batch_size, groups, other.shape[1] // groups, math.prod(positions)).transpose(-1, -2)
+    return gram_squared_norms(patches, grads)
+
+
+def bias_squared_norms(backprops: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms of a convolution's bias gradient (the output gradient summed over positions)."""
+    return backprops.flatten(2).sum(dim=2).pow(2).sum(dim=1)
+
+
+def _no_check(layer: nn.Module) -> None:
+    """The default ``ConvolutionForms.check_layer``: every configuration of the layer is supported."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvolutionForms:
+    """The operations in which a convolution and a transposed convolution differ; the sampler forms
+    (``grad_sample``, ``norm_sample``, ``weighted_sum``) are built on them the same way for both.
+
+    - ``weight_backward(layer, inputs, output_grads, groups, weight_shape)``: the weight gradient of one
+      call of the layer's operation on these (padded as the layer pads) with ``groups`` groups; with the
+      batch folded into the channels and ``groups = B * layer.groups`` it yields every example's gradient.
+    - ``gram_weight_norms(layer, inputs, backprops)``: per-example squared weight-gradient norms in the
+      Gram form, or None where materialising is cheaper (``gram_is_cheaper``).
+    - ``check_layer(layer)``: raise for a configuration the forms do not support.
+    """
+
+    weight_backward: Callable[[nn.Module, torch.Tensor, torch.Tensor, int, Sequence[int]], torch.Tensor]
+    gram_weight_norms: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor | None]
+    check_layer: Callable[[nn.Module], None] = _no_check
+
+    def prepare(self, layer: nn.Module, activations, backprops: torch.Tensor) -> Tensors:
+        """The checked batched input and the output gradient, in their common dtype."""
+        inputs = activations[0]
+        check_batched_input(layer, inputs, len(layer.kernel_size))
+        self.check_layer(layer)
+        dtype = common_dtype(inputs, backprops)
+        return inputs.to(dtype), backprops.to(dtype)
+
+    def per_sample_weight_grads(self, layer: nn.Module, inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+        """``(B, *weight.shape)``: one weight backward with the batch folded into the groups.
+
+        Examples become groups (``B*groups`` of them), so each example's weight gradient comes out as its
+        own block of a ``(B*weight.shape[0], *weight.shape[1:])`` result. This runs on the backend's
+        convolution kernels and never builds the ``prod(k)``-times larger patch matrix that unfold +
+        matmul needs; the FLOPs are the same.
+        """
+        batch_size = backprops.shape[0]
+        folded_inputs = inputs.reshape(1, -1, *inputs.shape[2:])
+        folded_grads = backprops.reshape(1, -1, *backprops.shape[2:])
+        weight_shape = (batch_size * layer.weight.shape[0], *layer.weight.shape[1:])
+        grads = self.weight_backward(layer, folded_inputs, folded_grads, batch_size * layer.groups, weight_shape)
+        return grads.reshape(batch_size, *layer.weight.shape)
+
+    def grad_sample(self, layer: nn.Module, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """Exact per-sample weight and bias gradients (trainable ones only)."""
+        inputs, backprops = self.prepare(layer, activations, backprops)
+        weight, bias = trainable_weight_and_bias(layer)
+        weight_grads = None if weight is None else self.per_sample_weight_grads(layer, inputs, backprops)
+        bias_grads = None if bias is None else backprops.flatten(2).sum(dim=2)
+        return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
+
+    def norm_sample(self, layer: nn.Module, activations, backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """Per-example squared weight and bias gradient norms: the weight's in the Gram form where that is
+        cheaper, otherwise from this layer's per-sample gradients (formed and reduced); the bias's direct."""
+        inputs, backprops = self.prepare(layer, activations, backprops)
+        weight, bias = trainable_weight_and_bias(layer)
+        weight_norms = bias_norms = None
+        if weight is not None:
+            weight_norms = self.gram_weight_norms(layer, inputs, backprops)
+            if weight_norms is None:
+                # Squared in place: the per-sample gradients are a fresh temporary (a second one would
+                # double the peak).
+                weight_norms = self.per_sample_weight_grads(layer, inputs, backprops).flatten(1).square_().sum(dim=1)
+        if bias is not None:
+            bias_norms = bias_squared_norms(backprops)
+        return keyed_by_parameter(((weight, weight_norms), (bias, bias_norms)))
+
+    def weighted_sum(
+        self, layer: nn.Module, activations, backprops: torch.Tensor, weights: torch.Tensor
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        """``sum_i weights[i] * g_i``: one ordinary weight backward with the output gradient scaled per
+        example (no per-sample gradient is formed)."""
+        inputs, backprops = self.prepare(layer, activations, backprops)
+        weight, bias = trainable_weight_and_bias(layer)
+        scaled = scale_per_example(backprops, weights)
+        weight_sum = bias_sum = None
+        if weight is not None:
+            weight_sum = self.weight_backward(layer, inputs, scaled, layer.groups, layer.weight.shape)
+        if bias is not None:
+            bias_sum = scaled.transpose(0, 1).flatten(1).sum(dim=1)
+        return keyed_by_parameter(((weight, weight_sum), (bias, bias_sum)))
+
+
+__all__ = [
+    "ConvolutionForms",
+    "bias_squared_norms",
+    "check_batched_input",
+    "gram_is_cheaper",
+    "gram_squared_norms",
+    "grouped_patches",
+    "sliding_windows",
+    "windowed_gram_squared_norms",
+]

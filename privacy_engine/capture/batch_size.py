@@ -1,0 +1,138 @@
+"""Batch-size bookkeeping of one forward: which size the examples have, and layers whose output is
+shared by every example (batch 1 in a forward of B, e.g. position embeddings) expanded to B.
+
+``BatchSizeTracking`` is a mixin of the capturing wrappers (``GradSampleModule`` and, through it,
+``GhostClippingModule``); it reads ``_batch_dim``, ``batch_first`` and ``_in_forward`` and keeps
+``_forward_batch``, ``_input_batch``, ``_forward_single`` and ``_forward_broadcast``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from privacy_engine.models.validation import module_label
+
+__all__ = ["BatchSizeTracking", "expand_batch", "input_batch_size"]
+
+
+class BatchSizeTracking:
+    """Mixin: the batch size of the running forward, checked layer by layer."""
+
+    def _forward_batch_size(self) -> int | None:
+        """The batch size the last forward's layers saw (None if no trainable layer ran)."""
+        if self._forward_batch is not None:
+            return self._forward_batch[1]
+        if getattr(self, "_forward_broadcast", None) is not None:
+            return self._forward_broadcast[1]
+        if getattr(self, "_forward_single", None) is not None:
+            return 1
+        return None
+
+    def _note_input_batch(self, module: nn.Module, args, kwargs) -> None:
+        """Forward pre-hook on the wrapped module: start a forward's batch bookkeeping."""
+        self._input_batch = input_batch_size(args, kwargs, self._batch_dim)
+        self._forward_single = None
+        self._forward_broadcast = None
+
+    def _note_batch_size(self, path: str, batch_size: int) -> int | None:
+        """Check a layer's output batch size against the forward's; return the size to expand the
+        output to when the layer is a broadcast (None otherwise).
+
+        The forward's batch size B is that of the first layer output whose batch size is not 1, or,
+        before any such output, the batch size most of the wrapper's tensor inputs have (no tie).
+        A layer output with 1 example while B != 1 is shared by every example (position embeddings
+        looked up with ``position_ids`` of shape (1, T), a learned prefix): it is expanded to B so
+        that its output gradient arrives per example. Any other difference is an error.
+        """
+        if not self._in_forward:
+            return None
+        dim = self._batch_dim
+        established = self._forward_batch
+        if established is None:
+            target = self._input_batch if batch_size == 1 else None
+            if target is None or target == 1:
+                self._forward_batch = (path, batch_size)
+                if batch_size == 1:
+                    self._forward_single = path  # batch 1 for now; a later layer may show a larger batch
+                return None
+            self._forward_batch = self._forward_broadcast = (path, target)
+            return target
+        if batch_size == established[1]:
+            return None
+        if batch_size == 1:
+            if self._forward_broadcast is None:
+                self._forward_broadcast = (path, established[1])
+            return established[1]
+        if established[0] == self._forward_single:
+            raise ValueError(
+                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
+                f"example (dim {dim}) but {module_label(path)}, later, got {batch_size}. A layer whose output is "
+                f"shared by every example (broadcast) can only be separated per example once the batch size is "
+                f"known: from an earlier layer, or from the inputs (most tensor inputs of the wrapper having the "
+                f"batch size). Pass that layer's input with the batch size (e.g. position_ids of shape "
+                f"(batch, seq_len)) or give every input the same batch size (batch_first={self.batch_first})."
+            )
+        if self._forward_broadcast is not None and established[0] == self._forward_broadcast[0]:
+            raise ValueError(
+                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
+                f"example and was treated as shared by the {established[1]} examples the inputs suggest, but "
+                f"{module_label(path)} got {batch_size} examples (dim {dim}). Give the wrapper's inputs the "
+                f"batch size of the model (batch_first={self.batch_first})."
+            )
+        raise ValueError(
+            f"the batch size differs between inputs of one forward: {module_label(path)} got "
+            f"{batch_size} examples (dim {dim}) but {module_label(established[0])} got "
+            f"{established[1]}. Give every input the same batch size (batch_first={self.batch_first})."
+        )
+
+    def _batch_first(self, output_grad: torch.Tensor, activations: tuple) -> tuple[torch.Tensor, tuple]:
+        """A layer's output gradient and inputs with the example axis moved to dim 0 (views; as given
+        when ``batch_first``). Inputs with no dim at the batch position are left as they are."""
+        dim = self._batch_dim
+        if dim == 0:
+            return output_grad, activations
+        return output_grad.movedim(dim, 0), tuple(
+            a.movedim(dim, 0) if isinstance(a, torch.Tensor) and a.dim() > dim else a for a in activations
+        )
+
+    def _broadcast_activations(self, path: str, layer: nn.Module, args: tuple, batch_size: int) -> tuple:
+        """A broadcast layer's inputs with their batch dimension of 1 expanded to ``batch_size`` (views):
+        every example saw the same input."""
+        dim = self._batch_dim
+        if isinstance(layer, nn.EmbeddingBag) and isinstance(args[0], torch.Tensor) and args[0].dim() == 1:
+            raise ValueError(
+                f"{module_label(path)} (EmbeddingBag with 1-D input and offsets) returned 1 bag in a forward of "
+                f"{batch_size} examples; a bag shared by every example needs 2-D input (1, bag_size)"
+            )
+        return tuple(
+            expand_batch(a, dim, batch_size) if isinstance(a, torch.Tensor) and a.dim() > dim and a.shape[dim] == 1 else a
+            for a in args
+        )
+
+
+def input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:
+    """The size at ``batch_dim`` that most tensor inputs of 2 or more dims have; None on a tie or none.
+
+    1-D tensors do not vote: their one dim is as often a list of things (EmbeddingBag indices and offsets,
+    lengths) as a batch. A tie is left undecided on purpose: ``(mask of shape (T, T), x of shape (1, T, E))``
+    and ``(input_ids (B, T), position_ids (1, T))`` look alike, and guessing wrong would copy one example
+    T times. Layers' outputs decide then (see ``GradSampleModule._note_batch_size``). (With a private
+    loader, a forward whose batch exceeds the drawn batch is refused by the step contract as well.)
+    """
+    counts: dict[int, int] = {}
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.dim() > batch_dim:
+            counts[leaf.shape[batch_dim]] = counts.get(leaf.shape[batch_dim], 0) + 1
+    if not counts:
+        return None
+    ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        return None
+    return ranked[0][0]
+
+
+def expand_batch(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = size
+    return tensor.expand(shape)

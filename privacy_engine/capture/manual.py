@@ -1,0 +1,105 @@
+"""ManualGradSampleModule: the wrapper for ``grad_sample_mode="no_op"``, where the training loop
+computes the per-sample gradients itself (for example with ``torch.func.vmap(grad(...))``) and
+stores them in ``param.grad_sample``; Opacus calls it ``GradSampleModuleNoOp``.
+
+Nothing is hooked: the forward is the module's own, and ``DPOptimizer`` clips, noises and records
+whatever ``grad_sample`` the loop left, exactly as it does for hook-computed ones. The step contract
+(``privacy_engine.training.step_contract``) still applies: each training forward tells the bound optimizer
+which batch it runs on, and the per-sample gradients set afterwards are released as that batch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from privacy_engine.capture.common import LOSS_REDUCTIONS, WrappedModuleAccess
+from privacy_engine.capture.module import GradSampleModule
+from privacy_engine.training.step_contract import register_wrapper
+
+__all__ = ["ManualGradSampleModule"]
+
+
+class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
+    """Wraps ``module`` without computing anything: the loop sets ``p.grad_sample`` itself.
+
+    Guarantee (conditional on the loop): the privacy of a step holds if, before ``step()``, every
+    trainable parameter ``p`` holds ``p.grad_sample`` of shape ``(batch, *p.shape)`` whose row ``i``
+    is the gradient of example ``i``'s own loss only (one row per example the sampler drew, the
+    same examples in the same order for every parameter). The wrapper cannot check this: a row that
+    mixes examples breaks the guarantee silently. ``GradSampleModule`` computes these rows exactly;
+    use this mode only when the loop must compute them itself.
+
+    =================================  ============================================
+    case                               result
+    =================================  ============================================
+    forward (any mode)                 the module's own forward, nothing captured
+    loop sets no grad_sample           the step adds noise alone (like an empty batch)
+    grad_sample set, no training       the optimizer refuses the step (the rows are tied
+    forward on a loader batch          to no batch the private loader drew)
+    rows scaled by 1/B (mean loss)     wrong: rows must be per-example gradients
+    zero_grad()                        clears .grad and grad_sample
+    state_dict()                       the module's own keys (no ``_module.``)
+    load_state_dict(Opacus keys)       ``_module.`` prefix removed, then loaded
+    =================================  ============================================
+
+    Args:
+        module: the model (not copied).
+        batch_first, loss_reduction: recorded for Opacus compatibility; the loop's gradients are
+            used as given (``loss_reduction`` does not rescale them).
+    """
+
+    def __init__(self, module: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean") -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ManualGradSampleModule wraps an nn.Module; got {type(module).__name__}")
+        if isinstance(module, (GradSampleModule, ManualGradSampleModule)):
+            raise TypeError("module is already wrapped; pass the original module")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        super().__init__()
+        self._module = module
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+        self._consumer: Any = None  # the DPOptimizer that releases this model's steps (step contract)
+        self._ticket = None  # the batch of the last training forward
+        register_wrapper(self)
+
+    def forward(self, *args, **kwargs):
+        output = self._module(*args, **kwargs)
+        if self._consumer is not None and self.training and torch.is_grad_enabled():
+            batch_size = _batch_size(args, kwargs, 0 if self.batch_first else 1)
+            if batch_size is not None:
+                self._ticket = self._consumer.contract.resolve(args, kwargs, batch_size)
+        return output
+
+    # ------------------------------------------------------------------ the step contract
+    def bind(self, consumer: Any) -> None:
+        """Tie this model's training forwards to ``consumer`` (a ``DPOptimizer``, which binds itself)."""
+        self._consumer = consumer
+
+    def flush_grad_samples(self) -> None:
+        """Hand the per-sample gradients the loop set to the bound optimizer, as those of the batch of
+        the last training forward (called by the optimizer before it clips)."""
+        ticket = self._ticket
+        if self._consumer is None or ticket is None:
+            return
+        if any(getattr(p, "grad_sample", None) is not None for p in self._module.parameters() if p.requires_grad):
+            self._ticket = None
+            self._consumer.accumulate_pass(ticket)
+
+    def to_standard_module(self) -> nn.Module:
+        """The original module, with the ``grad_sample`` attributes removed."""
+        for param in self._module.parameters():
+            if hasattr(param, "grad_sample"):
+                del param.grad_sample
+        return self._module
+
+
+def _batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:
+    """The batch size of the first tensor input with a batch dimension, or None."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > batch_dim:
+            return int(value.shape[batch_dim])
+    return None

@@ -1,0 +1,106 @@
+"""The wrappers' side of the step contract (``privacy_engine.training.step_contract``): which batch each training
+forward ran on, whether a backward still belongs to the live forward, and handing the completed passes
+to the bound ``DPOptimizer``.
+
+``StepContractBinding`` is a mixin of the capturing wrappers; it keeps ``_consumer``, ``_generation``,
+``_generation_tickets``, ``_forward_ticket``, ``_grad_sample_ticket``, ``_backward_running`` and
+``_awaiting_backward`` (initialised by the wrapper).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from privacy_engine.models.validation import module_label
+from privacy_engine.training.batch_tickets import BatchTicket
+
+__all__ = ["StepContractBinding"]
+
+
+class StepContractBinding:
+    """Mixin: ties forwards and backward passes to the batches the private loader drew."""
+
+    def bind(self, consumer) -> None:
+        """Send each backward pass's per-sample gradients to ``consumer`` (a ``DPOptimizer``): a pass is
+        clipped on its own unless the previous pass ran on the same batch (then they are summed per
+        example first). ``DPOptimizer`` binds the wrappers of its parameters itself."""
+        self._consumer = consumer
+
+    def _before_bound_forward(self) -> None:
+        if self._backward_running:
+            # The last backward raised part-way: its per-sample gradients are incomplete.
+            self._discard_grad_samples()
+        self._consumer.sync_private_parameters()
+        self._generation += 1
+
+    def _after_bound_forward(self, args, kwargs) -> None:
+        contract = self._consumer.contract
+        batch_size = self._forward_batch_size()
+        if batch_size is None:
+            return  # nothing trainable ran (every layer frozen): no per-sample gradients to tie
+        previous = self._forward_ticket
+        ticket = contract.resolve(args, kwargs, batch_size, join_pending=self._awaiting_backward)
+        self._awaiting_backward = ticket.tracked
+        self._check_second_pass(ticket)
+        if previous is not None and not ticket.same_rows(previous):
+            if self._grad_sample_ticket is None and not contract.already_contributed(previous):
+                contract.abandon(previous)  # its backward never ran; a later forward may use the batch
+            self._generation_tickets = {}
+        if self._grad_sample_ticket is not None and not ticket.same_rows(self._grad_sample_ticket):
+            self.flush_grad_samples()
+        self._generation_tickets[self._generation] = ticket
+        self._forward_ticket = ticket
+        contract.check_parameters_unchanged(self._consumer.params, where="a forward")
+
+    def _check_second_pass(self, ticket) -> None:
+        """Hooks mode sums a second backward pass over the same examples into the first (see ``_accumulate``)."""
+
+    def _check_live(self, generation: int) -> None:
+        """Raise if a backward reaches the forward of a batch that a later forward replaced."""
+        if self._consumer is None:
+            return
+        ticket = self._generation_tickets.get(generation)
+        if ticket is None or not ticket.same_rows(self._forward_ticket):
+            raise RuntimeError(
+                "a backward pass reached the forward of an earlier batch after the model ran on another batch: "
+                "the per-sample gradients of two batches would be mixed. Run backward for each forward before "
+                "the next batch's forward (or use VirtualSteps for gradient accumulation)."
+            )
+
+    def flush_grad_samples(self) -> None:
+        """Hand the completed backward passes' per-sample gradients to the bound optimizer's clipper."""
+        ticket, self._grad_sample_ticket = self._grad_sample_ticket, None
+        if ticket is not None and self._consumer is not None and not self._backward_running:
+            self._consumer.accumulate_pass(ticket)
+
+    def _discard_grad_samples(self) -> None:
+        self.clear_grad_sample()
+        self._grad_sample_ticket = None
+        self._backward_running = False
+
+    def _backward_done(self) -> None:
+        self._backward_running = False
+        self._awaiting_backward = False
+        if self._consumer is not None:
+            # No wrapper forward since the last step (the inner module was called directly): an untracked
+            # batch, which the optimizer refuses to release when it has a private loader.
+            self._grad_sample_ticket = self._forward_ticket or BatchTicket(loader_step=None, size=0)
+
+    def _check_called_through_wrapper(self, path: str) -> None:
+        """A training forward of a hooked layer must come through this wrapper's forward: otherwise the
+        model was called directly (a training framework holding the unwrapped model, e.g. a plain HF
+        Trainer), and that forward's batch is not the one the private loader drew and accounted for."""
+        if not self._in_forward and not self._released:
+            if torch._C._current_autograd_node() is not None:
+                raise RuntimeError(
+                    f"{module_label(path)} ran a forward during a backward pass: activation checkpointing (which "
+                    f"recomputes forwards in backward) is not supported with per-sample gradients. Turn it off "
+                    f"(Hugging Face: model.gradient_checkpointing_disable())."
+                )
+            raise RuntimeError(
+                f"{module_label(path)} ran a training forward (training mode, gradients on) without going through "
+                f"its {type(self).__name__}: the wrapped model was called directly. Call the wrapper make_private "
+                f"returned (with Hugging Face Trainer, use privacy_engine.integrations.hf_trainer.DPTrainer, which "
+                f"also draws the batches the accountant records), or call model.eval() / torch.no_grad() for "
+                f"forwards that are not training steps."
+            )

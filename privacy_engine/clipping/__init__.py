@@ -1,0 +1,34 @@
+"""Clipping: per-example gradients (or their norms) to one bounded-sensitivity sum (after capture,
+before noise).
+
+=====================  ================================================================
+file                   what it holds
+=====================  ================================================================
+``rule.py``            ``clip_factors``: the rule every clipping path applies
+``config.py``          ``ClippingConfig`` (bounds, flat / per_layer), ``parameter_groups``
+``clipper.py``         ``PerSampleGradientClipper``: clips materialised per-sample
+                       gradients and holds the clipped sum until the step
+``per_sample_ops.py``  norms, non-finite entries and per-user sums of per-sample gradients
+``stats.py``           ``ClippingStats`` (diagnostics, not private)
+``ghost/``             fast clipping, ``GhostClippingModule``: norms and the clipped sum
+                       inside one backward pass (``module.py`` the wrapper, ``gate.py`` the
+                       gated layers, ``attention.py`` ``nn.MultiheadAttention``,
+                       ``backward.py`` norms and sums, ``uses.py`` what a pass keeps)
+=====================  ================================================================
+"""
+
+from privacy_engine.clipping.clipper import PerSampleGradientClipper
+from privacy_engine.clipping.config import CLIPPING_MODES, ClippingConfig, MaxGradNorm, parameter_groups
+from privacy_engine.clipping.rule import clip_factors, validate_max_grad_norm
+from privacy_engine.clipping.stats import ClippingStats
+
+__all__ = [
+    "CLIPPING_MODES",
+    "ClippingConfig",
+    "ClippingStats",
+    "MaxGradNorm",
+    "PerSampleGradientClipper",
+    "clip_factors",
+    "parameter_groups",
+    "validate_max_grad_norm",
+]

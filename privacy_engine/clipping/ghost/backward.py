@@ -1,0 +1,204 @@
+"""The backward side of fast clipping: each gated layer's output gradient turned into per-example
+squared norms (and its inputs and ``G`` kept for the sum, or its per-example gradients formed and
+kept, whichever is smaller), and at the end of the pass (a callback queued on the autograd engine)
+the clip factors from the clipper's rule and each layer's clipped sum ``sum_i f_i g_i``, handed to the
+clipper's accumulator.
+
+``BackwardPasses`` is a mixin of ``GhostClippingModule``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from privacy_engine.clipping.ghost.uses import (
+    BackwardPass,
+    Rows,
+    Use,
+    add_rows,
+    check_sampler_result,
+    row_shape,
+    shared_parameters,
+    tensor_bytes,
+    zero_rows,
+)
+from privacy_engine.models.validation import module_label
+
+__all__ = ["BackwardPasses"]
+
+
+class BackwardPasses:
+    """Mixin: per-example norms during backward, clipped sums at its end."""
+
+    def _current_pass(self) -> BackwardPass:
+        if self._pass is None:
+            live = [use for use in list(self._pending) if not use.consumed]
+            self._pass = BackwardPass(shared_parameters(live))
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+        return self._pass
+
+    def _on_output_grad(self, use: Use, grads: torch.Tensor) -> None:
+        self._check_live(use.generation)
+        activations = use.activations
+        if activations is None:
+            raise RuntimeError(
+                f"{module_label(use.path)}: a second backward pass ran through the same forward "
+                f"(retain_graph=True). Its inputs were freed after the first; run a new forward for each backward."
+            )
+        state = self._current_pass()
+        use.activations, use.consumed = None, True
+        if use.grad_shape is not None:
+            grads = grads.reshape(use.grad_shape)
+        grads, activations = self._batch_first(grads, activations)
+        batch_size = grads.shape[0]
+        state.note_batch(use.path, batch_size)
+        if batch_size == 0:
+            # An empty (Poisson) batch: no norms, nothing to sum; samplers need not handle it.
+            for param, _ in use.parts:
+                state.add_squared(param, grads.new_zeros(0))
+            return
+        # Keep per-example gradients or (inputs, output gradient) until the end of backward, whichever
+        # is smaller: when the per-example gradients are the smaller, forming them also costs no more
+        # than a norm plus a second weight-gradient product for the sum (the direct form).
+        shared = any(param in state.shared for param, _ in use.parts)
+        per_sample_bytes = batch_size * grads.element_size() * sum(math.prod(row_shape(p, r)) for p, r in use.parts)
+        held_bytes = sum(tensor_bytes(value) for value in (grads, *activations))
+        keep_per_sample = per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
+        if shared or use.norms is None or keep_per_sample:
+            per_sample = use.grads(activations, grads)
+            check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *row_shape(p, r)))
+            if shared or keep_per_sample:
+                for param, rows in use.parts:
+                    state.add_materialised(param, rows, per_sample[param])
+                return
+            # No norm-only form and large per-example gradients: reduce them to norms, free them, and
+            # form the sum later from the kept inputs and output gradient.
+            for param, _ in use.parts:
+                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].reshape(batch_size, -1), dim=1).square())
+            del per_sample
+            state.deferred.append((use, partial(_weighted_sum_by_materialising, use.grads), activations, grads))
+            return
+        squared = use.norms(activations, grads)
+        check_sampler_result("norm", use, squared, lambda p, r: (batch_size,))
+        for param, _ in use.parts:
+            state.add_squared(param, squared[param])
+        state.deferred.append((use, use.sums, activations, grads))
+
+    def _on_fallback_grad(self, use: Use, param: nn.Parameter, grads: torch.Tensor) -> None:
+        self._check_live(use.generation)
+        state = self._current_pass()
+        use.consumed = True
+        state.note_batch(use.path, grads.shape[0])
+        state.add_materialised(param, None, grads)
+
+    def _finish_pass(self) -> None:
+        self._awaiting_backward = False
+        state, self._pass = self._pass, None
+        padding_mask, self._padding_mask = self._padding_mask, None
+        if state is None or state.batch is None:
+            return
+        ticket = self._forward_ticket if self._consumer is not None else None
+        if padding_mask is None and ticket is not None and ticket.tracked:
+            padding_mask = ticket.mask()  # the mask travels with this pass's own batch
+        elif padding_mask is None and self._padding_mask_source is not None:
+            padding_mask = self._padding_mask_source()
+        clipper = self._clipper
+        batch_size = state.batch[1]
+        if padding_mask is not None and tuple(padding_mask.shape) != (batch_size,):
+            raise ValueError(
+                f"padding_mask has shape {tuple(padding_mask.shape)}; expected ({batch_size},), one flag per example"
+            )
+        # The output gradients were kept unscaled: fold the loss reduction's factor into norms and weights.
+        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        # fp16 loss scaling (an attached GradScaler): the output gradients are S times the true ones.
+        scale /= clipper.loss_scale() if hasattr(clipper, "loss_scale") else 1.0
+        with torch.no_grad():
+            norms = self._group_norms_of_pass(state, clipper)
+            # Norms are homogeneous: scaling the (unscaled-gradient) norms once equals scaling every G.
+            if scale != 1.0:
+                norms = norms * scale
+            factors = clipper.clip_factors_for_norms(norms, padding_mask=padding_mask)
+            # A zero factor does not cancel a NaN/Inf in that example's rows: zero them (only needed
+            # when some norm is non-finite, as every entry then shows in its norm).
+            drop_non_finite = not bool(torch.isfinite(norms).all())
+            weights = factors * scale
+            sums = _clipped_sums(state, clipper, weights, drop_non_finite)
+            self.last_per_sample_norms = norms
+            if self._clipper_takes_ownership:
+                clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
+            else:
+                clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
+            if ticket is not None:
+                self._consumer.contract.contributed(ticket)
+
+    def _group_norms_of_pass(self, state: BackwardPass, clipper) -> torch.Tensor:
+        """The per-example group norms ``(batch, num_groups)`` of everything ``state`` gathered, from the
+        gradients as kept (the loss reduction's factor and the loss scale not yet applied)."""
+        squared = dict(state.squared_norms)
+        for param, grads in state.materialised.items():
+            # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
+            # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D. Float32 at least.
+            materialised_squared = torch.linalg.vector_norm(
+                grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=torch.promote_types(grads.dtype, torch.float32)
+            ).square()
+            previous = squared.get(param)
+            squared[param] = materialised_squared if previous is None else previous + materialised_squared
+        self._check_known(squared)
+        # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
+        # handed over under one member of each group: the clipper adds a group's squares anyway.
+        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        for param, value in squared.items():
+            by_group.setdefault(clipper.group_index(param), []).append((param, value))
+        group_squares = {
+            members[0][0]: members[0][1] if len(members) == 1 else torch.stack([v for _, v in members]).sum(dim=0)
+            for members in by_group.values()
+        }
+        return clipper.group_norms_from_squared(group_squares)
+
+
+def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, grads: torch.Tensor, weights: torch.Tensor):
+    """``sum_i weights[i] g_i`` through a grad sampler: per-example gradients are linear in the output
+    gradient, so those of ``weights[i] * G_i`` summed over examples are the weighted sum."""
+    scaled = grads * weights.to(grads.dtype).view(-1, *([1] * (grads.dim() - 1)))
+    return {param: per_sample.sum(dim=0) for param, per_sample in grad_sampler(activations, scaled).items()}
+
+
+def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_finite: bool) -> dict:
+    """``{param: sum_i weights[i, group(param)] g_i}`` over the layers ``state`` deferred and the
+    per-example gradients it materialised (``weights``: the clip factors times the gradients' scale)."""
+    sums: dict[nn.Parameter, torch.Tensor] = {}
+    deferred, state.deferred = state.deferred, []
+    deferred.reverse()
+    while deferred:
+        # Popped one at a time so each layer's inputs and output gradient are freed as soon as
+        # its sum exists: the peak stays near the larger of "all of them" and "all the sums".
+        use, weighted_sums, activations, grads = deferred.pop()
+        columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
+        for param, rows in use.parts:
+            columns.setdefault(clipper.group_index(param), []).append((param, rows))
+        for column, parts in columns.items():
+            column_weights = weights[:, column]
+            column_activations, column_grads = activations, grads
+            if drop_non_finite:
+                keep = column_weights != 0
+                column_activations = tuple(zero_rows(a, keep) for a in activations)
+                column_grads = zero_rows(grads, keep)
+            result = weighted_sums(column_activations, column_grads, column_weights)
+            check_sampler_result("weighted-sum", use, result, row_shape)
+            for param, rows in parts:
+                add_rows(sums, param, rows, result[param])
+        del use, weighted_sums, activations, grads, column_activations, column_grads, result
+    materialised, state.materialised = state.materialised, {}
+    while materialised:
+        param, grads = materialised.popitem()
+        column_weights = weights[:, clipper.group_index(param)]
+        if drop_non_finite:
+            grads = zero_rows(grads, column_weights != 0)
+        add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))
+        del grads
+    return sums

@@ -1,0 +1,160 @@
+"""The gate of fast clipping: a layer with a registered sampler runs its forward with *detached*
+parameters, and its output goes through ``_OutputGate``, which returns it unchanged and takes the
+parameters as inputs. In backward the gate hands the output gradient ``G`` to the wrapper
+(``GhostClippingModule._on_output_grad``) and returns nothing for the parameters: the graph still
+reaches earlier layers through the input, but the ordinary weight-gradient product is never computed.
+
+``GatedLayers`` is a mixin of ``GhostClippingModule``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grad_samplers import norm_sampler_for, weighted_sum_sampler_for
+from grad_samplers.registry import GradSampler
+from privacy_engine.capture.batch_size import expand_batch
+from privacy_engine.clipping.ghost.uses import Use, in_float32
+from privacy_engine.models.validation import module_label
+
+__all__ = ["GatedLayers"]
+
+# Layer types whose forward output is saved by no autograd node of their own, so the gate may hand the
+# output back as is (``mark_dirty``) instead of copying it. Marking an output dirty bumps its version:
+# for a layer whose last operation saves its result (tanh, softmax) backward would then fail.
+_OUTPUT_NOT_SAVED = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+
+
+class _OutputGate(torch.autograd.Function):
+    """Identity on ``output``; in backward, reports the output gradient and gives the parameters none.
+
+    The parameters are inputs only so that the graph contains this node even when the layer's input
+    needs no gradient (the first layer).
+    """
+
+    @staticmethod
+    def forward(ctx, on_output_grad, in_place, output, *params):
+        ctx.on_output_grad = on_output_grad
+        ctx.num_params = len(params)
+        if in_place:
+            # Same tensor, new history: later in-place ops on it (ReLU(inplace=True)) stay legal,
+            # which they are not on a view returned by a custom Function.
+            ctx.mark_dirty(output)
+            return output
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_output_grad(grad)
+        return (None, None, grad) + (None,) * ctx.num_params
+
+
+
+class GatedLayers:
+    """Mixin: replace a sampled layer's forward by its gated form."""
+
+    def _gate(self, use: Use, output: torch.Tensor, in_place: bool) -> torch.Tensor:
+        use.generation = self._generation
+        self._pending.add(use)
+        params = tuple(param for param, _ in use.parts)
+        return _OutputGate.apply(partial(self._on_output_grad, use), in_place, output, *params)
+
+    def _gate_output(self, use: Use, output: torch.Tensor, safe_type: bool, args: tuple) -> torch.Tensor:
+        """Gate ``output`` in place when that is safe, through its base when it is a plain reshape of
+        a fresh tensor, otherwise a copy of it."""
+        if safe_type and not any(output is a for a in args):
+            base = output._base
+            if base is None and not (output.is_leaf and output.requires_grad):
+                return self._gate(use, output, True)
+            if (
+                base is not None
+                and base.numel() == output.numel()
+                and base.is_contiguous()
+                and output.is_contiguous()
+                and not (base.is_leaf and base.requires_grad)
+                and not any(base is a for a in args)
+            ):
+                use.grad_shape = output.shape  # G then arrives in the base's shape
+                return self._gate(use, base, True).view(output.shape)
+        return self._gate(use, output, False)
+
+    def _patch_gated(self, path: str, layer: nn.Module, sampler: GradSampler) -> None:
+        original = layer.forward
+        norm_sampler = norm_sampler_for(layer)
+        sum_sampler = weighted_sum_sampler_for(layer)
+        plain_linear = type(layer) is nn.Linear
+        safe_type = type(layer) in _OUTPUT_NOT_SAVED
+        has_norm_form = norm_sampler is not None and sum_sampler is not None
+        # Norms, sums and materialised gradients in float32 at least (see in_float32).
+        norms = in_float32(partial(norm_sampler, layer)) if has_norm_form else None
+        sums = in_float32(partial(sum_sampler, layer)) if has_norm_form else None
+        grads = in_float32(partial(sampler, layer))
+
+        def forward(*args, **kwargs):
+            if self._inside_fallback or not (layer.training and torch.is_grad_enabled()):
+                return original(*args, **kwargs)
+            own = layer._parameters
+            trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
+            if not trainable:
+                return original(*args, **kwargs)
+            if kwargs:
+                bound = inspect.signature(original).bind(*args, **kwargs)
+                bound.apply_defaults()
+                args, kwargs = tuple(bound.arguments.values()), {}
+            if plain_linear and len(args) == 1:
+                bias = layer.bias
+                output = F.linear(args[0], layer.weight.detach(), None if bias is None else bias.detach())
+            else:
+                try:
+                    for name, param in trainable:
+                        own[name] = param.detach()
+                    output = original(*args)
+                finally:
+                    for name, param in trainable:
+                        own[name] = param
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(
+                    f"ghost clipping: {module_label(path)} ({type(layer).__name__}) returned "
+                    f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
+                )
+            self._check_called_through_wrapper(path)
+            broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+            activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            if broadcast_to is not None:
+                # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
+                # gate, so that G arrives per example.
+                activations = self._broadcast_activations(path, layer, activations, broadcast_to)
+                output = expand_batch(output, self._batch_dim, broadcast_to)
+            use = Use(
+                path=path,
+                layer=layer,
+                parts=tuple((param, None) for _, param in trainable),
+                activations=activations,
+                norms=norms,
+                sums=sums,
+                grads=grads,
+            )
+            return self._gate_output(use, output, safe_type, args)
+
+        layer.forward = forward

@@ -1,0 +1,177 @@
+"""What fast clipping keeps about one backward pass: each gated (or fallback) call of a layer (``Use``),
+what the pass has gathered until its end (``BackwardPass``), and the small tensor helpers the gate,
+the attention decomposition and the end of the pass share.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from privacy_engine.models.validation import module_label
+
+__all__ = [
+    "BackwardPass",
+    "Rows",
+    "Use",
+    "add_rows",
+    "check_sampler_result",
+    "in_float32",
+    "row_shape",
+    "shared_parameters",
+    "tensor_bytes",
+    "zero_rows",
+]
+
+Rows = slice | None
+
+
+@dataclass(eq=False)
+class Use:
+    """One gated call (or one fallback call) of one forward: what its backward needs.
+
+    ``parts``: the trainable parameters the call reads, each with the rows it reads (None: all).
+    ``norms`` / ``sums`` / ``grads``: ``(activations, G) -> {param: squared norms (B,)}``,
+    ``(activations, G, weights) -> {param: weighted sum}``, ``(activations, G) -> {param: (B, ...)}``;
+    ``norms``/``sums`` None when only materialising is possible. A fallback call has no functions:
+    its per-example gradients arrive through hooks.
+    """
+
+    path: str
+    layer: nn.Module
+    parts: tuple[tuple[nn.Parameter, Rows], ...]
+    activations: tuple | None = None
+    norms: Callable | None = None
+    sums: Callable | None = None
+    grads: Callable | None = None
+    consumed: bool = False
+    grad_shape: torch.Size | None = None
+    generation: int = 0  # the training forward this call belongs to (see StepContractBinding._check_live)
+
+
+def shared_parameters(uses: Sequence[Use]) -> set:
+    """Parameters whose uses overlap (a whole-parameter use twice, or overlapping row blocks): their
+    per-example norm needs cross terms, so they are materialised."""
+    spans: dict[nn.Parameter, list[Rows]] = {}
+    for use in uses:
+        for param, rows in use.parts:
+            spans.setdefault(param, []).append(rows)
+    shared = set()
+    for param, rows_list in spans.items():
+        if len(rows_list) < 2:
+            continue
+        if any(rows is None for rows in rows_list):
+            shared.add(param)
+            continue
+        ordered = sorted((rows.start, rows.stop) for rows in rows_list)
+        if any(later[0] < earlier[1] for earlier, later in itertools.pairwise(ordered)):
+            shared.add(param)
+    return shared
+
+
+class BackwardPass:
+    """What one backward pass has gathered, until its end-of-backward callback."""
+
+    def __init__(self, shared: set) -> None:
+        self.shared = shared
+        self.batch: tuple[str, int] | None = None
+        self.squared_norms: dict[nn.Parameter, torch.Tensor] = {}  # unscaled, summed over disjoint rows
+        self.deferred: list[tuple[Use, Callable, tuple, torch.Tensor]] = []  # (use, sums, activations, G)
+        self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
+
+    def note_batch(self, path: str, batch_size: int) -> None:
+        if self.batch is None:
+            self.batch = (path, batch_size)
+        elif self.batch[1] != batch_size:
+            raise ValueError(
+                f"ghost clipping: one backward pass reached {module_label(path)} with {batch_size} examples but "
+                f"{module_label(self.batch[0])} with {self.batch[1]}; every layer must see the same batch"
+            )
+
+    def add_squared(self, param: nn.Parameter, squared: torch.Tensor) -> None:
+        previous = self.squared_norms.get(param)
+        self.squared_norms[param] = squared if previous is None else previous + squared
+
+    def add_materialised(self, param: nn.Parameter, rows: Rows, grads: torch.Tensor) -> None:
+        previous = self.materialised.get(param)
+        if rows is None:
+            # Out of place: `grads` may alias an autograd buffer (a Linear's bias gradient is G itself).
+            self.materialised[param] = grads if previous is None else previous + grads
+            return
+        if previous is None:
+            previous = grads.new_zeros((grads.shape[0], *param.shape))
+        else:
+            previous = previous.clone()
+        previous[:, rows] += grads
+        self.materialised[param] = previous
+
+
+def check_sampler_result(kind: str, use: Use, result: dict, expected: Callable[[nn.Parameter, Rows], tuple]) -> None:
+    for param, rows in use.parts:
+        value = result.get(param)
+        if value is None:
+            raise RuntimeError(
+                f"{kind} sampler for {module_label(use.path)} ({type(use.layer).__name__}) returned nothing for a "
+                f"trainable parameter of shape {tuple(param.shape)}"
+            )
+        if tuple(value.shape) != expected(param, rows):
+            raise RuntimeError(
+                f"{kind} sampler for {module_label(use.path)} ({type(use.layer).__name__}) returned shape "
+                f"{tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; expected {expected(param, rows)}"
+            )
+
+
+def row_shape(param: nn.Parameter, rows: Rows) -> tuple:
+    return tuple(param.shape) if rows is None else tuple(param[rows].shape)
+
+
+def zero_rows(value, keep: torch.Tensor):
+    """``value`` with the rows of dropped examples set to 0 (floating tensors with a batch axis only)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and value.shape[0] == keep.shape[0]:
+        mask = keep.to(value.device).view(-1, *([1] * (value.dim() - 1)))
+        return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
+    return value
+
+
+def in_float32(function: Callable) -> Callable:
+    """``function(activations, grads, *rest)`` with half-precision floating tensors promoted to float32.
+
+    Under autocast (or for a model held in bf16/fp16) a layer's inputs and output gradient are half
+    precision. A per-example norm computed in bf16 is off by up to 2^-8 relative, so an example's
+    clipped contribution could exceed the clipping bound by that much; a clipped sum rounded to bf16
+    moves by an ulp of the whole batch's sum. Promoting the operands (kept in half precision until
+    this call, so memory does not grow) keeps norms and sums as exact as float32 makes them.
+    """
+
+    def promoted(activations, grads, *rest):
+        if _is_half(grads) or any(_is_half(a) for a in activations):
+            activations = tuple(a.float() if _is_half(a) else a for a in activations)
+            grads = grads.float() if _is_half(grads) else grads
+        return function(activations, grads, *rest)
+
+    return promoted
+
+
+def _is_half(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
+
+
+def tensor_bytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+
+def add_rows(sums: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, rows: Rows, value: torch.Tensor) -> None:
+    if rows is None:
+        previous = sums.get(param)
+        sums[param] = value if previous is None else previous + value
+        return
+    total = sums.get(param)
+    if total is None:
+        total = value.new_zeros(param.shape)
+        sums[param] = total
+    total[rows] += value

@@ -1,0 +1,98 @@
+"""From a checked ``Plan`` to the private objects: the DP optimizer (clipper, noise, ledger,
+budget, loader, grad scaler), then the wrapped model, last, because wrapping hooks the model."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from accountants import Accountant
+from privacy_engine.capture import GradSampleModule
+from privacy_engine.clipping import PerSampleGradientClipper
+from privacy_engine.engine.budget import PrivacyBudget
+from privacy_engine.engine.ledger import ledger_for
+from privacy_engine.engine.plan import Plan
+from privacy_engine.training import distributed
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.optimizer import DPOptimizer
+
+__all__ = ["private_optimizer", "wrap_model"]
+
+
+def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, budget: PrivacyBudget | None,
+                      source: str) -> DPOptimizer:  # fmt: skip
+    """The ``DPOptimizer`` of ``plan``, recording its steps as ``source`` in ``accountant``.
+    Changes neither the model nor the accountant (distributed: agrees with the other ranks first,
+    a collective that raises on all of them if their plans differ)."""
+    if plan.distributed is not None:
+        # Every rank must plan the same mechanism: compared across ranks (collective), raising on all.
+        distributed.agree(plan, accountant=accountant, secure_mode=secure_mode)
+    options, noise_plan, loader = plan.options, plan.noise_plan, plan.private_loader
+    clipper = PerSampleGradientClipper(
+        plan.params,
+        options.max_grad_norm,
+        clipping=options.clipping,
+        groups=plan.groups,
+        nan_safe=options.nan_safe,
+        rescale_to_unit_norm=options.rescale_to_unit_norm,
+    )
+    sampled = isinstance(loader, DPDataLoader)
+    if not sampled:
+        warnings.warn(
+            "poisson_sampling=False: batches are the loader's own (shuffled, fixed size), but the accountant "
+            "treats them as Poisson samples with rate 1/len(loader); the reported epsilon is an approximation"
+        )
+    optimizer = DPOptimizer(
+        plan.optimizer,
+        noise_multiplier=noise_plan.noise_multiplier,
+        expected_batch_size=noise_plan.expected_batch_size,
+        loss_reduction=options.loss_reduction,
+        clipper=clipper,
+        noise=plan.make_noise(),
+        accountant=ledger_for(accountant, noise_plan),
+        sample_rate=noise_plan.sample_rate,
+        padding_mask_source=(lambda: loader.padding_mask) if sampled else None,
+        source=source,
+        per_user_clipping=False,
+        budget=budget,
+    )
+    if plan.distributed is not None:
+        # Noise drawn on rank 0, then one all-reduce of clipped sums + noise per global step.
+        distributed.configure(optimizer, plan.distributed)
+    if sampled:
+        optimizer.attach_loader(loader)
+    if options.grad_scaler is not None:
+        optimizer.attach_grad_scaler(options.grad_scaler)
+    return optimizer
+
+
+def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple:
+    """Hook the model for ``plan.options.grad_sample_mode`` and return what ``make_private`` returns:
+    ``(module, optimizer, loader)``, or ``(module, optimizer, criterion, loader)`` in ghost mode."""
+    options, loader = plan.options, plan.private_loader
+    if options.grad_sample_mode == "no_op":
+        from privacy_engine.capture.manual import ManualGradSampleModule
+
+        manual = ManualGradSampleModule(
+            plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction
+        )
+        return manual, optimizer, loader
+    if options.grad_sample_mode != "ghost":  # "hooks", "functorch" and Opacus's "ew"
+        wrapped = GradSampleModule(plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction)
+        optimizer._bind_if_ours(wrapped)
+        return wrapped, optimizer, loader
+    # Imported here: only the ghost mode needs it.
+    from privacy_engine.clipping.ghost import GhostClippingModule
+
+    ghost = GhostClippingModule(plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction)
+    # The optimizer's current_padding_mask follows the loader's mask (and VirtualSteps' slices
+    # of it), so padding examples contribute zero in ghost mode as well.
+    ghost.attach_clipper(optimizer.clipper, padding_mask_source=optimizer.current_padding_mask)
+    optimizer._bind_if_ours(ghost)
+    # Opacus returns a wrapped criterion in ghost mode; here clipping happens inside the ordinary
+    # backward pass, so the criterion is returned as given (default: cross-entropy).
+    criterion = options.criterion
+    if criterion is None:
+        criterion = nn.CrossEntropyLoss(reduction=options.loss_reduction)
+    return ghost, optimizer, criterion, loader

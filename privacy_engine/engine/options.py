@@ -1,0 +1,414 @@
+"""The settings of ``make_private`` and ``make_private_with_epsilon``: one frozen, keyword-only
+dataclass (``PrivacyOptions``), validated in one place with errors that name the field.
+
+The two entry points take the settings as keywords and build it (``options_from``); what each one
+requires or refuses is a row of ``ENTRY_POINTS``, and ``takes_settings`` shows the fields in the
+methods' signatures (``help``, ``inspect.signature``), so the list of settings is written once.
+Opacus's spellings are translated by ``opacus_names`` and ``resolve_accountant``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from accountants import Accountant, make_accountant
+from privacy_engine.capture import LOSS_REDUCTIONS
+from privacy_engine.clipping import CLIPPING_MODES
+from privacy_engine.clipping.rule import validate_max_grad_norm
+from privacy_engine.engine.budget import PrivacyBudget, budget_from
+from privacy_engine.noise import NoiseMechanism
+from privacy_engine.noise.strategy import validated_coefficients
+
+__all__ = ["ENTRY_POINTS", "PrivacyOptions", "opacus_names", "options_from", "resolve_accountant", "takes_settings"]
+
+# Opacus's default accountant is "prv" (a numerical privacy-loss accountant like PLD): it maps to
+# dp-accounting's PLD accountant here.
+ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
+# Opacus's "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
+# so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "ew", "no_op")
+NOISE_MECHANISMS = ("gaussian", "bandmf")
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` as a float; TypeError naming ``name`` unless it is a real number (bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {value!r}")
+    return float(value)
+
+
+def _is_int(value: Any, *, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= low
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyOptions:
+    """Every setting of ``make_private`` / ``make_private_with_epsilon`` (the model, optimizer and
+    loader aside). Both methods take these fields as keywords; each is checked here, before
+    anything is wrapped, with an error that names it.
+
+    Fields (Opacus's names):
+        noise_multiplier: sigma >= 0 (noise std / sensitivity). ``make_private`` needs it;
+            ``make_private_with_epsilon`` calibrates it (and refuses it).
+        target_epsilon, epochs: ``make_private_with_epsilon``'s target: the whole run of ``epochs``
+            epochs stays within ``(target_epsilon, target_delta)``.
+        max_grad_norm: ``clipping="flat"``: one bound > 0. ``"per_layer"``: a list with one bound per
+            *layer* (each submodule directly owning trainable parameters, in ``model.named_modules()``
+            order) or one per trainable *parameter* (in optimizer order); the length decides which. A
+            single number is split evenly over the layers (``C / sqrt(layers)`` each, total bound ``C``).
+        target_delta, max_epsilon: a privacy budget (``privacy_engine.engine.budget``): the optimizer
+            raises ``PrivacyBudgetExceeded`` before any release that would take ``get_epsilon(target_delta)``
+            past ``max_epsilon``, releasing and recording nothing; ``engine.steps_left()`` says how many
+            steps remain. Both or neither (``max_epsilon=math.inf``: no budget). With a target,
+            ``max_epsilon`` defaults to ``target_epsilon``.
+        poisson_sampling: Poisson-sample batches (True, what the accounting assumes) or keep the loader
+            (False: its shuffled batches are accounted as if Poisson, an approximation; a warning says
+            so). BandMF needs True.
+        clipping: ``"flat"`` or ``"per_layer"``.
+        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
+        batch_first: the batch is dim 0 (True) or dim 1 of the model's inputs.
+        noise_seed: seed for reproducible noise (``None``: one draw from torch's global generator, so
+            ``torch.manual_seed`` makes a run reproducible, as with Opacus; never in secure mode).
+        noise_generator: Opacus's seeding: a ``torch.Generator`` that seeds the noise (one draw) and
+            drives Poisson sampling.
+        grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
+            ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast clipping
+            inside the backward pass (``GhostClippingModule``), which then returns ``(module,
+            optimizer, criterion, data_loader)`` as Opacus does. Opacus's ``"ew"`` is an alias of
+            ``"hooks"`` (the same exact gradients). ``"no_op"``: the loop computes the per-sample
+            gradients itself and sets ``p.grad_sample`` (``ManualGradSampleModule``).
+        criterion: returned (unchanged) in ghost mode; default ``nn.CrossEntropyLoss``.
+        noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
+            Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), or a
+            ready ``NoiseMechanism``.
+        num_bands: BandMF bands b (1 is DP-SGD), at most the steps per epoch (``round(len(dataset) /
+            batch_size)``) and at most ``len(dataset) // batch_size``. ``None``: chosen among
+            ``CANDIDATE_NUM_BANDS`` that the loader allows, by the expected squared error of the noisy
+            prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2`` (``engine.bands``); logged
+            (INFO) and kept in ``engine.noise_plan``.
+        bandmf_coefficients: the strategy ``(c_0, ..., c_{b-1})``, ``c_0 > 0``; default: the optimal
+            b-banded Toeplitz strategy for ``total_steps`` steps.
+        total_steps: the number of steps the run will take (the strategy is optimised for it; more
+            steps stay private, the strategy is just less tuned). Default with a target: the steps of
+            ``epochs`` epochs.
+        max_batch_size: truncated sampling: each batch holds at most this many real examples (a random
+            subset if more are drawn) and is padded to exactly this size; padding entries
+            (``loader.padding_mask``) contribute zero after clipping, and the steps are accounted as
+            truncated Poisson sampling (PLD accountant only). DP-SGD or BandMF.
+        nan_safe, rescale_to_unit_norm: see ``PerSampleGradientClipper``.
+        grad_scaler: a ``torch.amp.GradScaler`` for fp16 loss scaling, attached to the private
+            optimizer (``DPOptimizer.attach_grad_scaler``: clipping at the unscaled size).
+    """
+
+    max_grad_norm: float | Sequence[float]
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    target_delta: float | None = None
+    epochs: int | None = None
+    max_epsilon: float | None = None
+    poisson_sampling: bool = True
+    clipping: str = "flat"
+    loss_reduction: str = "mean"
+    batch_first: bool = True
+    noise_seed: int | None = None
+    noise_generator: torch.Generator | None = None
+    grad_sample_mode: str = "hooks"
+    criterion: Any = None
+    noise_mechanism: str | NoiseMechanism = "gaussian"
+    num_bands: int | None = None
+    bandmf_coefficients: Sequence[float] | None = None
+    total_steps: int | None = None
+    max_batch_size: int | None = None
+    nan_safe: bool = True
+    rescale_to_unit_norm: bool = False
+    grad_scaler: torch.amp.GradScaler | None = None
+
+    def __post_init__(self) -> None:
+        self._check_target_and_budget()
+        self._check_noise_multiplier()
+        self._check_choices()
+        self._check_seeding()
+        self._check_max_grad_norm()
+        self._check_noise_mechanism()
+        self._check_max_batch_size()
+        if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler or None; got {type(self.grad_scaler).__name__}"
+            )
+
+    # ------------------------------------------------------------------ derived settings
+    @property
+    def target(self) -> tuple[float, float] | None:
+        """``(target_epsilon, target_delta)`` when sigma is to be calibrated, else None."""
+        return None if self.target_epsilon is None else (self.target_epsilon, self.target_delta)
+
+    @property
+    def sigma(self) -> float:
+        """The given noise multiplier, or ``inf`` while it is to be calibrated (always > 0 then)."""
+        return math.inf if self.noise_multiplier is None else self.noise_multiplier
+
+    @property
+    def wants_bandmf(self) -> bool:
+        """BandMF by name, or a ready mechanism with more than one band (cyclic Poisson sampling)."""
+        if isinstance(self.noise_mechanism, NoiseMechanism):
+            return int(getattr(self.noise_mechanism, "num_bands", 1)) > 1
+        return self.noise_mechanism == "bandmf"
+
+    def budget(self) -> PrivacyBudget | None:
+        """A new budget for one ``make_private`` call (None for none); it keeps state, so not a field."""
+        return budget_from(self.target_epsilon if self.max_epsilon is None else self.max_epsilon, self.target_delta)
+
+    # ------------------------------------------------------------------ validation
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # a normalised value (float, int, tuple), set once here
+
+    def _check_target_and_budget(self) -> None:
+        if self.target_epsilon is None:
+            if self.noise_multiplier is None:
+                raise TypeError("noise_multiplier is needed (or target_epsilon, with make_private_with_epsilon)")
+            if self.epochs is not None:
+                raise TypeError("epochs goes with target_epsilon (make_private_with_epsilon)")
+            if self.target_delta is not None and self.max_epsilon is None:
+                raise ValueError(
+                    "target_delta is the delta of a privacy budget: give max_epsilon too, or leave both out"
+                )
+        else:
+            if self.noise_multiplier is not None:
+                raise TypeError("make_private_with_epsilon calibrates noise_multiplier itself; do not pass it")
+            target_epsilon = real("target_epsilon", self.target_epsilon)
+            if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+                raise ValueError(f"target_epsilon must be finite and > 0; got {target_epsilon!r}")
+            target_delta = real("target_delta", self.target_delta)
+            if not 0 < target_delta < 1:
+                raise ValueError(
+                    f"target_delta must be in (0, 1), e.g. 1e-5 (below 1/dataset size); got {target_delta!r}"
+                )
+            if not _is_int(self.epochs, low=1):
+                raise ValueError(f"epochs must be an int >= 1; got {self.epochs!r}")
+            self._set("target_epsilon", target_epsilon)
+            self._set("target_delta", target_delta)
+            self._set("epochs", int(self.epochs))
+        self.budget()  # checks max_epsilon and target_delta, naming them
+
+    def _check_noise_multiplier(self) -> None:
+        if self.noise_multiplier is None:
+            return
+        sigma = real("noise_multiplier", self.noise_multiplier)
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0; got {self.noise_multiplier!r}")
+        self._set("noise_multiplier", sigma)
+
+    def _check_choices(self) -> None:
+        if self.clipping not in CLIPPING_MODES:
+            hint = " (adaptive clipping is not supported)" if self.clipping == "adaptive" else ""
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}; got {self.clipping!r}{hint}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {self.loss_reduction!r}")
+        for name in ("batch_first", "poisson_sampling", "nan_safe", "rescale_to_unit_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}; got {self.grad_sample_mode!r}")
+
+    def _check_seeding(self) -> None:
+        if self.noise_seed is not None and not _is_int(self.noise_seed, low=0):
+            raise ValueError(f"noise_seed must be an int >= 0 or None; got {self.noise_seed!r}")
+        if self.noise_generator is not None and not isinstance(self.noise_generator, torch.Generator):
+            raise TypeError(f"noise_generator must be a torch.Generator; got {type(self.noise_generator).__name__}")
+        if self.noise_seed is not None and self.noise_generator is not None:
+            raise ValueError("give noise_seed or noise_generator, not both")
+
+    def _check_max_grad_norm(self) -> None:
+        """The bounds themselves; their number against the model's layers is the plan's check."""
+        bound = self.max_grad_norm
+        if self.clipping == "flat":
+            if isinstance(bound, (list, tuple)):
+                raise TypeError(
+                    "max_grad_norm must be one number for clipping='flat' (a list needs clipping='per_layer')"
+                )
+            value = validate_max_grad_norm(real("max_grad_norm", bound))
+            if value == 0:
+                raise ValueError("max_grad_norm must be > 0 (0 would clip every gradient to zero)")
+            if math.isinf(value) and self.sigma > 0:
+                raise ValueError(
+                    "max_grad_norm is inf with noise_multiplier > 0: no finite noise hides unclipped gradients"
+                )
+            return
+        if isinstance(bound, numbers.Real) and not isinstance(bound, bool):
+            bounds = [bound]
+        elif isinstance(bound, (str, bytes)) or not isinstance(bound, Sequence):
+            raise TypeError(f"max_grad_norm must be a number or a list of numbers; got {bound!r}")
+        else:
+            bounds = list(bound)
+        for index, each in enumerate(bounds):
+            value = validate_max_grad_norm(real(f"max_grad_norm[{index}]", each), name=f"max_grad_norm[{index}]")
+            if value == 0 or (math.isinf(value) and self.sigma > 0):
+                raise ValueError(f"max_grad_norm[{index}] must be finite and > 0; got {each!r}")
+
+    def _check_noise_mechanism(self) -> None:
+        mechanism = self.noise_mechanism
+        if isinstance(mechanism, NoiseMechanism):
+            if self.noise_seed is not None or self.noise_generator is not None:
+                raise ValueError("noise_seed/noise_generator cannot seed a noise mechanism you built; seed it yourself")
+            if self.wants_bandmf and not self.poisson_sampling:
+                raise ValueError("poisson_sampling must be True for a BandMF noise mechanism (cyclic Poisson sampling)")
+            return
+        if not isinstance(mechanism, str) or mechanism not in NOISE_MECHANISMS:
+            raise ValueError(
+                f"noise_mechanism must be one of {NOISE_MECHANISMS} or a NoiseMechanism; got {mechanism!r}"
+            )
+        if mechanism == "gaussian":
+            if self.num_bands not in (None, 1) or self.bandmf_coefficients is not None:
+                raise ValueError("num_bands / bandmf_coefficients need noise_mechanism='bandmf'")
+            return
+        self._check_bandmf()
+
+    def _check_bandmf(self) -> None:
+        if not self.poisson_sampling:
+            raise ValueError(
+                "noise_mechanism='bandmf' needs poisson_sampling=True: its privacy rests on cyclic Poisson sampling "
+                "(every example in one of b groups, each sampled only every b steps)"
+            )
+        num_bands = self.num_bands
+        if num_bands is not None and not _is_int(num_bands, low=1):
+            raise ValueError(
+                f"num_bands must be an int >= 1 (or None to choose it) with noise_mechanism='bandmf'; got {num_bands!r}"
+            )
+        if self.bandmf_coefficients is not None:
+            coefficients = validated_coefficients(self.bandmf_coefficients, name="bandmf_coefficients")
+            coefficients = tuple(float(c) for c in coefficients)
+            if num_bands is not None and len(coefficients) != num_bands:
+                raise ValueError(f"bandmf_coefficients has {len(coefficients)} entries but num_bands={num_bands}")
+            self._set("bandmf_coefficients", coefficients)
+            num_bands = len(coefficients)
+        if num_bands is not None:
+            self._set("num_bands", int(num_bands))
+        if self.total_steps is not None and not _is_int(self.total_steps, low=1):
+            raise ValueError(
+                f"total_steps must be an int >= 1 (the number of steps of the run); got {self.total_steps!r}"
+            )
+        if self.bandmf_coefficients is None and self.total_steps is None and self.epochs is None:
+            raise ValueError(
+                "total_steps is needed with noise_mechanism='bandmf' (the strategy is optimised for the number of "
+                "steps of the run), unless you give bandmf_coefficients"
+            )
+
+    def _check_max_batch_size(self) -> None:
+        if self.max_batch_size is None:
+            return
+        if not _is_int(self.max_batch_size, low=1):
+            raise ValueError(
+                "max_batch_size must be an int >= 1 (the cap on real examples per batch) or None; "
+                f"got {self.max_batch_size!r}"
+            )
+        if not self.poisson_sampling:
+            raise ValueError("max_batch_size (truncated Poisson sampling) needs poisson_sampling=True")
+        self._set("max_batch_size", int(self.max_batch_size))
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+#: For each entry point: the settings it requires, and those it refuses (with why; None: not its keyword).
+ENTRY_POINTS: dict[str, tuple[tuple[str, ...], dict[str, str | None]]] = {
+    "make_private": (("noise_multiplier", "max_grad_norm"), {"target_epsilon": None, "epochs": None}),
+    "make_private_with_epsilon": (
+        ("target_epsilon", "target_delta", "epochs", "max_grad_norm"),
+        {"noise_multiplier": "make_private_with_epsilon calibrates noise_multiplier itself; do not pass it"},
+    ),
+}
+_FIELDS = tuple(dataclasses.fields(PrivacyOptions))
+
+
+def options_from(entry_point: str, settings: dict[str, Any]) -> PrivacyOptions:
+    """The ``PrivacyOptions`` of a call to ``entry_point`` with keywords ``settings``.
+
+    ==================================  =========================================
+    case                                result
+    ==================================  =========================================
+    a keyword that is no setting        TypeError naming it (and the accepted ones)
+    a setting the entry point refuses   TypeError naming it
+    a required setting missing          TypeError naming it
+    a bad value                         PrivacyOptions' error naming the field
+    ==================================  =========================================
+    """
+    required, refused = ENTRY_POINTS[entry_point]
+    for name, why in refused.items():
+        if name in settings and why is not None:
+            raise TypeError(why)
+    accepted = sorted(f.name for f in _FIELDS if f.name not in refused)
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"{entry_point}() got unexpected keyword argument(s) {unknown}; the settings it accepts are "
+            f"{accepted} (see PrivacyOptions)"
+        )
+    missing = [name for name in required if name not in settings]
+    if missing:
+        raise TypeError(f"{entry_point}() is missing the keyword argument(s) {missing} (see PrivacyOptions)")
+    return PrivacyOptions(**settings)
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def takes_settings(entry_point: str) -> Callable[[Method], Method]:
+    """Show the settings a method takes as ``**settings`` in its signature (``help``,
+    ``inspect.signature``): its own parameters, then ``PrivacyOptions``' fields that
+    ``entry_point`` accepts, as keyword-only parameters (required ones without a default)."""
+    required, refused = ENTRY_POINTS[entry_point]
+
+    def decorate(method: Method) -> Method:
+        signature = inspect.signature(method)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in own}
+        shown = [field for field in _FIELDS if field.name not in refused and field.name not in taken]
+        shown.sort(key=lambda field: required.index(field.name) if field.name in required else len(required))
+        settings = [
+            inspect.Parameter(
+                field.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=field.type,
+                default=inspect.Parameter.empty if field.name in required else field.default,
+            )
+            for field in shown
+        ]
+        method.__signature__ = signature.replace(parameters=own + settings)  # type: ignore[attr-defined]
+        return method
+
+    return decorate
+
+
+# ---------------------------------------------------------------------------------------------- Opacus's names
+def _pick(name: str, value: Any, opacus_name: str, opacus_value: Any) -> Any:
+    """One of the two spellings of an argument (ours or Opacus's); both given is an error."""
+    if value is not None and opacus_value is not None and value is not opacus_value:
+        raise TypeError(f"{name} and {opacus_name} name the same argument; give one of them")
+    return opacus_value if value is None else value
+
+
+def opacus_names(model: Any, module: Any, loader: Any, data_loader: Any) -> tuple[Any, Any]:
+    """``(model, loader)`` from our names (``model``, ``loader``) or Opacus's (``module``,
+    ``data_loader``); TypeError when both spellings of one are given (different objects)."""
+    return _pick("model", model, "module", module), _pick("loader", loader, "data_loader", data_loader)
+
+
+def resolve_accountant(accountant: str | Accountant) -> Accountant:
+    """The engine's accountant: ``"pld"``, ``"rdp"`` or Opacus's ``"prv"`` (read as ``"pld"``), any
+    case; or an empty ``Accountant`` instance, used as is. ValueError naming the problem otherwise."""
+    if isinstance(accountant, Accountant):
+        if accountant.history:
+            raise ValueError("accountant already holds steps; pass an empty one (accountant.fresh())")
+        return accountant
+    if isinstance(accountant, str) and accountant.strip().lower() in ACCOUNTANT_ALIASES:
+        return make_accountant(ACCOUNTANT_ALIASES[accountant.strip().lower()])
+    raise ValueError(
+        f"accountant must be one of {sorted(ACCOUNTANT_ALIASES)} ('prv' means 'pld') or an "
+        f"accountants.Accountant; got {accountant!r}"
+    )

@@ -1,0 +1,295 @@
+"""From ``PrivacyOptions`` and the three objects to a ``Plan``: everything ``make_private`` will
+build, checked before anything is wrapped.
+
+In order: the objects (model, optimizer, loader) and their parameters; the layers the core
+supports; the clipping groups; the loader's shape; the noise mechanism (and BandMF's bands,
+``engine.bands``); the private loader (Poisson, cyclic or truncated sampling); the noise multiplier
+(given, or calibrated: ``engine.calibration``) and the ``NoisePlan``. Nothing here hooks the model,
+changes the optimizer or records a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
+
+from accountants import Accountant
+from privacy_engine.capture import GradSampleModule
+from privacy_engine.clipping import parameter_groups
+from privacy_engine.engine.bands import check_num_bands, plan_bandmf
+from privacy_engine.engine.calibration import calibrate
+from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
+from privacy_engine.engine.options import PrivacyOptions
+from privacy_engine.models.validation import UnsupportedModuleError, find_problems
+from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.noise.secure_random import SecureGenerator
+from privacy_engine.training import distributed
+from privacy_engine.training.data_loader import DPDataLoader, loader_index_set
+from privacy_engine.training.optimizer import DPOptimizer, trainable_parameters
+from privacy_engine.training.rewrap import plain_loader_for
+
+__all__ = ["Plan", "make_plan"]
+
+
+def _option(name: str) -> property:
+    return property(lambda plan: getattr(plan.options, name), doc=f"``options.{name}``")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything make_private builds, validated before anything is wrapped."""
+
+    options: PrivacyOptions
+    model: nn.Module
+    optimizer: Optimizer
+    private_loader: DataLoader
+    #: The optimizer's trainable parameters, and their clipping groups (None for flat clipping).
+    params: list
+    groups: list | None
+    make_noise: Callable[[], NoiseMechanism]
+    noise_plan: NoisePlan
+    #: This rank's part of a distributed (DDP) job; None for one process (privacy_engine.training.distributed).
+    distributed: distributed.DistributedJob | None = None
+
+    # Read by name by distributed.plan_settings, which compares them across ranks.
+    max_grad_norm = _option("max_grad_norm")
+    clipping = _option("clipping")
+    loss_reduction = _option("loss_reduction")
+    grad_sample_mode = _option("grad_sample_mode")
+    nan_safe = _option("nan_safe")
+    rescale_to_unit_norm = _option("rescale_to_unit_norm")
+
+
+def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loader: Any, accountant: Accountant,
+              secure_mode: bool) -> Plan:  # fmt: skip
+    """The plan of one ``make_private`` call; raises (see its table) with nothing changed. The
+    accountant is only asked (a fresh copy, or a zero-step record that validates its arguments)."""
+    model, optimizer, data_loader = _check_objects(model, optimizer, data_loader)
+    if secure_mode and options.noise_seed is not None:
+        raise ValueError("noise_seed must be None with secure_mode=True (secure noise is seeded from the OS only)")
+    if secure_mode and options.noise_generator is not None:
+        raise ValueError("noise_generator must be None with secure_mode=True (secure noise is seeded from the OS only)")
+    # A DDP-wrapped model is unwrapped (its inner module is hooked).
+    model, job = distributed.unwrap(model, noise_seed=options.noise_seed, noise_generator=options.noise_generator,
+                                    secure_mode=secure_mode)  # fmt: skip
+    params = _check_parameters(model, optimizer)
+    # Layers the core cannot handle (checked again by GradSampleModule, before it hooks anything).
+    if isinstance(model, GradSampleModule):
+        raise TypeError("module is already a GradSampleModule: pass the original module")
+    problems = find_problems(model)
+    if problems:
+        raise UnsupportedModuleError("cannot compute per-sample gradients:\n- " + "\n- ".join(problems))
+    groups = _clipping_groups(model, params, options)
+    shape = _loader_shape(data_loader, options)
+    if options.max_batch_size is not None:
+        # Raises NotImplementedError naming PLDAccountant if this accountant cannot account for it.
+        accountant.fresh().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=0, group_size=1,
+                                max_batch_size=options.max_batch_size)  # fmt: skip
+    choice = _choose_noise(options, shape, accountant=accountant, secure_mode=secure_mode)
+    private_loader = _private_loader(data_loader, options, shape, num_bands=choice.num_bands,
+                                     secure_mode=secure_mode, job=job)  # fmt: skip
+    return Plan(
+        options=options, model=model, optimizer=optimizer, private_loader=private_loader, params=params,
+        groups=groups, make_noise=choice.make_noise, distributed=job,
+        noise_plan=_noise_plan(options, shape, choice, private_loader, accountant),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the objects
+def _check_objects(model: Any, optimizer: Any, data_loader: Any) -> tuple[nn.Module, Optimizer, DataLoader]:
+    if model is None or optimizer is None or data_loader is None:
+        named = (("module", model), ("optimizer", optimizer), ("data_loader", data_loader))
+        missing = [name for name, value in named if value is None]
+        raise TypeError(f"make_private needs {', '.join(missing)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"module must be an nn.Module; got {type(model).__name__}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if isinstance(optimizer, DPOptimizer):
+        raise TypeError("optimizer is already a DPOptimizer: pass the original optimizer")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("optimizer: LBFGS re-evaluates the loss within a step and cannot be made private; use SGD/Adam")
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch.utils.data.DataLoader; got {type(data_loader).__name__}")
+    if isinstance(data_loader, DPDataLoader):
+        # A loader an earlier make_private returned (Opacus scripts pass it again on a second run):
+        # planned from the plain loader it stands for (same examples, expected batch size).
+        data_loader = plain_loader_for(data_loader)
+    return model, optimizer, data_loader
+
+
+def _check_parameters(model: nn.Module, optimizer: Optimizer) -> list:
+    """The optimizer's trainable parameters, which must be exactly the model's trainable ones."""
+    model_params = {id(p) for p in model.parameters()}
+    params = trainable_parameters(optimizer)
+    for position, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        if id(param) not in model_params:
+            raise ValueError(
+                f"optimizer parameter #{position} (shape {tuple(param.shape)}) is not a parameter of the module: "
+                f"build the optimizer from this module's parameters"
+            )
+    if not params:
+        raise ValueError("optimizer has no parameter with requires_grad=True: nothing to train")
+    in_optimizer = {id(p) for p in params}
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in in_optimizer:
+            raise ValueError(
+                f"module parameter {name!r} requires grad but is not in the optimizer: its per-sample "
+                f"gradients would pile up unused. Freeze it (requires_grad_(False)) or add it to the optimizer."
+            )
+    return params
+
+
+def _clipping_groups(model: nn.Module, params: list, options: PrivacyOptions) -> list | None:
+    """Per-layer clipping: one group per bound (the bounds themselves are checked by the options)."""
+    if options.clipping == "flat":
+        return None
+    layers = parameter_groups(model, params, per="layer")
+    bounds = options.max_grad_norm
+    if isinstance(bounds, numbers.Real) and not isinstance(bounds, bool):
+        return layers  # one bound, split evenly over the layers
+    if len(bounds) == len(layers):
+        return layers
+    if len(bounds) == len(params):
+        return [[p] for p in params]
+    raise ValueError(
+        f"max_grad_norm has {len(bounds)} bounds; clipping='per_layer' needs one per layer "
+        f"({len(layers)} layers own trainable parameters) or one per trainable parameter ({len(params)})"
+    )
+
+
+def _loader_shape(data_loader: DataLoader, options: PrivacyOptions) -> LoaderShape:
+    """The examples and steps the plan counts with: a sized, map-style dataset (Poisson and cyclic
+    sampling index into it)."""
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(type(dataset), "__len__"):
+        why = (
+            "cyclic Poisson sampling (noise_mechanism='bandmf') splits the examples into fixed groups and "
+            "samples each one independently"
+            if options.wants_bandmf
+            else "the sample rate and Poisson sampling need the number of examples"
+        )
+        raise TypeError(
+            f"data_loader.dataset ({type(dataset).__name__}) must be a sized, map-style dataset (len(dataset) and "
+            f"dataset[i]): {why}"
+        )
+    if len(data_loader) < 1:
+        raise ValueError("data_loader is empty")
+    if data_loader.batch_size is None:
+        raise ValueError(
+            "data_loader.batch_size is None: build the loader with batch_size set (the expected batch size)"
+        )
+    num_examples, batch_size, steps_per_epoch = len(dataset), int(data_loader.batch_size), len(data_loader)
+    if options.poisson_sampling:
+        # Poisson sampling stays within the loader's own examples (a SubsetRandomSampler's split);
+        # samplers without a Poisson equivalent (weighted sampling) raise here, before any wrapping.
+        index_set = loader_index_set(data_loader)
+        num_examples = num_examples if index_set is None else int(index_set.numel())
+    private_steps_per_epoch = max(1, round(num_examples / batch_size))
+    return LoaderShape(
+        num_examples=num_examples, batch_size=batch_size, loader_steps_per_epoch=steps_per_epoch,
+        private_steps_per_epoch=private_steps_per_epoch,
+        accounted_steps_per_epoch=private_steps_per_epoch if options.poisson_sampling else steps_per_epoch,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the noise
+def _noise_seed(options: PrivacyOptions) -> int | None:
+    if options.noise_generator is not None:
+        # Opacus seeds its noise from this generator; one draw from it seeds ours.
+        return int(torch.randint(0, 2**62, (1,), generator=options.noise_generator).item())
+    return options.noise_seed
+
+
+def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Accountant,
+                  secure_mode: bool) -> NoiseChoice:  # fmt: skip
+    """The noise mechanism: a builder (called only once nothing can fail), its bands and, for
+    BandMF without ``num_bands``, the band counts compared and the one chosen."""
+    mechanism = options.noise_mechanism
+    seed = functools.partial(_noise_seed, options)
+    if isinstance(mechanism, NoiseMechanism):
+        if mechanism.secure_mode != secure_mode:
+            raise ValueError(f"noise_mechanism.secure_mode must match the engine's secure_mode={secure_mode}")
+        if mechanism.step != 0:
+            raise ValueError("noise_mechanism has already been used; pass a fresh one")
+        bands = int(getattr(mechanism, "num_bands", 1))
+        if bands > 1:
+            check_num_bands(bands, shape)
+        coefficients = getattr(mechanism, "coefficients", None)
+        return NoiseChoice(
+            mechanism="custom", num_bands=bands, make_noise=lambda: mechanism, total_steps=None,
+            coefficients=None if coefficients is None else tuple(float(c) for c in coefficients),
+            noise_multiplier=options.sigma,
+        )  # fmt: skip
+    if mechanism == "gaussian":
+        return NoiseChoice(
+            mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None, noise_multiplier=options.sigma,
+            make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode),
+        )  # fmt: skip
+    return plan_bandmf(options, shape, accountant=accountant, seed=seed, secure_mode=secure_mode)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def _private_loader(data_loader: DataLoader, options: PrivacyOptions, shape: LoaderShape, *, num_bands: int,
+                    secure_mode: bool, job: distributed.DistributedJob | None) -> DataLoader:  # fmt: skip
+    """Poisson sampling (DP-SGD), cyclic Poisson sampling over ``num_bands`` groups (BandMF) or
+    truncated sampling; the loader itself without Poisson sampling."""
+    sampling_generator = options.noise_generator
+    if secure_mode:
+        # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed).
+        sampling_generator = SecureGenerator()
+    elif sampling_generator is None:
+        # The loader's own generator, seeded by one draw from torch's global one (torch.manual_seed still
+        # makes the run reproducible): its state can be checkpointed, and other draws from the global
+        # generator (every DataLoader iterator takes one) do not shift the batches, so a resume is exact.
+        sampling_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+    steps = shape.private_steps_per_epoch
+    if job is not None:
+        # Each rank samples its part of one global (cyclic) Poisson sample; collective (agrees on a seed).
+        return job.private_loader(data_loader, num_groups=num_bands, max_batch_size=options.max_batch_size,
+                                  poisson_sampling=options.poisson_sampling, steps=steps)  # fmt: skip
+    if num_bands > 1 or options.max_batch_size is not None:
+        # The group counter runs on across epochs, so an epoch need not be a multiple of b.
+        return DPDataLoader.cyclic(data_loader, num_bands, max_batch_size=options.max_batch_size,
+                                   generator=sampling_generator, steps=steps)  # fmt: skip
+    if options.poisson_sampling:
+        return DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
+    return data_loader
+
+
+def _noise_plan(options: PrivacyOptions, shape: LoaderShape, choice: NoiseChoice, private_loader: DataLoader,
+                accountant: Accountant) -> NoisePlan:  # fmt: skip
+    """The sampling the private loader runs, and the noise multiplier: given, or calibrated for
+    the mechanism now fixed over ``epochs`` epochs of accounted steps."""
+    if isinstance(private_loader, DPDataLoader):
+        sample_rate, expected_batch_size = private_loader.sample_rate, private_loader.expected_batch_size
+    else:
+        sample_rate, expected_batch_size = 1.0 / shape.loader_steps_per_epoch, float(shape.batch_size)
+    group_size = None
+    if options.max_batch_size is not None:
+        # Accounted over the largest group: truncation's privacy analysis depends on the number
+        # of examples sampled from, and every group must be covered.
+        group_size = max(int(group.numel()) for group in private_loader.batch_sampler.groups)
+    noise_multiplier, calibrated_steps = choice.noise_multiplier, None
+    if options.target is not None:
+        calibrated_steps = options.epochs * shape.accounted_steps_per_epoch
+        noise_multiplier = calibrate(accountant, options.target, sample_rate, calibrated_steps,
+                                     num_bands=choice.num_bands, group_size=group_size,
+                                     max_batch_size=options.max_batch_size)  # fmt: skip
+    # Validates what the accountant will be given, recording nothing.
+    accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=choice.num_bands,
+                    group_size=group_size, max_batch_size=options.max_batch_size)  # fmt: skip
+    return NoisePlan(
+        mechanism=choice.mechanism, num_bands=choice.num_bands, noise_multiplier=noise_multiplier,
+        sample_rate=sample_rate, expected_batch_size=expected_batch_size, coefficients=choice.coefficients,
+        total_steps=choice.total_steps or calibrated_steps, group_size=group_size,
+        max_batch_size=options.max_batch_size, candidates=choice.candidates,
+    )  # fmt: skip

@@ -1,0 +1,226 @@
+"""Banded matrix-factorisation noise (``BandMFNoise``): noise correlated across steps.
+
+BandMF (Choquette-Choo et al. 2023, arXiv:2306.08153; McKenna 2024, arXiv:2405.15913). The
+strategy ``C`` is lower-triangular banded Toeplitz with ``C[i, j] = c[i - j]`` for
+``0 <= i - j < b``. The mechanism releases the noisy gradients ``G + C^{-1} Z`` where ``Z`` has
+iid ``N(0, s^2)`` entries, ``s = noise_multiplier * max_grad_norm * ||c||_2``. This is
+post-processing of ``C G + Z``: each example that participates at steps at least ``b`` apart
+(cyclic Poisson sampling with ``b`` groups guarantees this) changes each touched block of rows of
+``C G`` by at most ``max_grad_norm * ||c||_2`` (the max column norm of ``C``), which ``Z``
+hides with noise multiplier ``noise_multiplier``. Row ``t`` of ``C^{-1} Z`` is computed by
+streaming: ``x_t = (z_t - sum_{j=1}^{b-1} c_j x_{t-j}) / c_0``, keeping the last ``b - 1`` noise
+vectors in a ring buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from privacy_engine.noise.layout import _DeviceGroup
+from privacy_engine.noise.mechanism import NoiseMechanism
+from privacy_engine.noise.strategy import validated_coefficients
+
+__all__ = ["BandMFNoise"]
+
+
+class BandMFNoise(NoiseMechanism):
+    """Banded matrix-factorisation noise: step ``t`` adds row ``t`` of ``C^{-1} Z``.
+
+    ``C`` is the ``b``-banded lower-triangular Toeplitz strategy with ``C[i, j] = c[i - j]``;
+    ``Z`` has iid ``N(0, s^2)`` entries with ``s = noise_multiplier * max_grad_norm * ||c||_2``.
+
+    Guarantee: the sequence of noisy gradients equals ``C^{-1} (C G + Z)``, post-processing of
+    the Gaussian mechanism on ``C G``. If every example participates in steps at least ``b``
+    apart (cyclic Poisson sampling with ``b`` groups), one participation changes ``C G`` by at
+    most ``max_grad_norm * ||c||_2`` (the largest column norm of ``C``) in L2, so the mechanism
+    is as private as DP-SGD with the same ``noise_multiplier`` on that participation pattern.
+    The coefficients may have any positive scale: the noise does not depend on it.
+
+    Column normalisation (``column_normalize_for_steps=n``, as in JAX Privacy and McKenna 2024):
+    for a run of exactly ``n`` steps, the last ``b - 1`` columns of the ``n x n`` matrix ``C``
+    are truncated and have smaller norms. Rescaling every column to norm ``||c||_2`` keeps the
+    sensitivity and multiplies row ``t`` of ``C^{-1}`` by ``||c[:min(b, n - t)]||_2 / ||c||_2``
+    (<= 1, = 1 for ``t <= n - b``): less noise in the final ``b - 1`` steps for the same
+    guarantee. Steps beyond ``n`` are then undefined and raise ``RuntimeError``.
+
+    ``noise_multiplier * max_grad_norm`` must be the same at every step: the guarantee above is
+    for rows of ``Z`` with one scale.
+
+    =====================================  ============================================
+    case                                   result
+    =====================================  ============================================
+    coefficients = (c_0,)                  GaussianNoise noise (identical for c_0 = 1)
+    coefficients not 1-D / non-finite      ValueError naming coefficients
+    c_0 <= 0                               ValueError naming coefficients
+    noise_multiplier = 0 at every step     no noise, step advances
+    noise scale changes between steps      ValueError, nothing changed
+    step >= column_normalize_for_steps     RuntimeError, nothing changed
+    secure_mode with a seed                ValueError
+    =====================================  ============================================
+    """
+
+    def __init__(
+        self,
+        coefficients: Sequence[float] | np.ndarray | torch.Tensor,
+        *,
+        seed: int | None = None,
+        secure_mode: bool = False,
+        column_normalize_for_steps: int | None = None,
+        prefetch: bool | None = None,
+    ) -> None:
+        if isinstance(coefficients, torch.Tensor):
+            coefficients = coefficients.detach().cpu().double().numpy()
+        self.coefficients = validated_coefficients(coefficients)
+        if column_normalize_for_steps is not None and (
+            isinstance(column_normalize_for_steps, bool)
+            or not isinstance(column_normalize_for_steps, (int, np.integer))
+            or column_normalize_for_steps < 1
+        ):
+            raise ValueError(
+                "column_normalize_for_steps must be None or a positive int (the number of steps "
+                f"of the run), got {column_normalize_for_steps!r}"
+            )
+        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch)
+        self.column_normalize_for_steps = (
+            None if column_normalize_for_steps is None else int(column_normalize_for_steps)
+        )
+        self.num_bands = int(self.coefficients.size)
+        self.sensitivity = float(np.linalg.norm(self.coefficients))
+        self._ring_position = 0
+        self._fixed_scale: float | None = None  # noise_multiplier * max_grad_norm of step 0
+        self._row_scale_tail = self._column_scales()
+
+    def _column_scales(self) -> list[float]:
+        """Row scales of the normalised ``C^{-1}`` for the last ``min(b - 1, n)`` steps."""
+        n = self.column_normalize_for_steps
+        if n is None:
+            return []
+        prefix_norms = np.sqrt(np.cumsum(self.coefficients**2)) / self.sensitivity
+        # Step t of n keeps coefficients c_0..c_{min(b-1, n-1-t)} in its column.
+        tail = [float(prefix_norms[min(self.num_bands - 1, n - 1 - t)]) for t in range(n)]
+        return tail[max(0, n - (self.num_bands - 1)) :]
+
+    def _row_scale(self, step: int) -> float:
+        n = self.column_normalize_for_steps
+        if n is None:
+            return 1.0
+        first_tail_step = n - len(self._row_scale_tail)
+        return 1.0 if step < first_tail_step else self._row_scale_tail[step - first_tail_step]
+
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """``s = noise_multiplier * max_grad_norm * ||c||_2``, the std of the fresh draws ``z_t``.
+
+        The noise actually added at step ``t`` has covariance ``s^2 (C^{-1} C^{-T})[t, t]`` per
+        entry (``s^2 / c_0^2`` at step 0). Edge cases as ``GaussianNoise.noise_std``.
+        """
+        return self._validated_noise_scale(noise_multiplier, max_grad_norm) * self.sensitivity
+
+    def _before_step(self, noise_scale: float) -> None:
+        fixed = self._fixed_scale
+        if fixed is not None and not math.isclose(noise_scale, fixed, rel_tol=1e-9):
+            raise ValueError(
+                "BandMFNoise needs the same noise_multiplier * max_grad_norm at every step "
+                f"(first step: {fixed}, now: {noise_scale}): the guarantee covers rows of Z "
+                "with one scale"
+            )
+        self._this_step_scale = noise_scale
+        n = self.column_normalize_for_steps
+        if n is not None and self._step >= n:
+            raise RuntimeError(
+                f"the strategy was column-normalised for column_normalize_for_steps={n} steps "
+                f"and step {self._step + 1} was requested; build the mechanism with the real "
+                "number of steps"
+            )
+
+    def _after_step(self) -> None:
+        if self._fixed_scale is None:
+            self._fixed_scale = self._this_step_scale
+        if self.num_bands > 1:
+            self._ring_position = (self._ring_position + 1) % (self.num_bands - 1)
+
+    def _history_rows(self) -> int:
+        return self.num_bands - 1
+
+    def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Ring slot (p - j) mod (b - 1) holds x_{t-j} when the next write goes to slot p, so the
+        # weights for position p are the coefficients c_1..c_{b-1} rotated accordingly; one
+        # precomputed row per position keeps host-to-device copies out of the step.
+        slots = self.num_bands - 1
+        weights = np.zeros((slots, slots))
+        for position in range(slots):
+            for lag in range(1, self.num_bands):
+                weights[position, (position - lag) % slots] = self.coefficients[lag]
+        return torch.as_tensor(weights, dtype=dtype, device=device)
+
+    def _form_noise(self, group: _DeviceGroup) -> float:
+        if group.formed_ahead:
+            group.formed_ahead = False  # formed in the background from this very state (_form_ahead)
+        else:
+            self._form_into(group.noise, group.history, group.ring_weights, self._ring_position)
+        return self._row_scale(self._step)
+
+    def _form_into(
+        self, noise: torch.Tensor, history: torch.Tensor | None, ring_weights: torch.Tensor | None, position: int
+    ) -> None:
+        c_0 = float(self.coefficients[0])
+        if self.num_bands == 1:
+            if c_0 != 1.0:
+                noise.div_(c_0)
+        else:
+            # x_t = (z_t - sum_j c_j x_{t-j}) / c_0 in one pass over the history (one gemv).
+            noise.addmv_(history.t(), ring_weights[position], beta=1.0 / c_0, alpha=-1.0 / c_0)
+
+    def _form_ahead(self, group: _DeviceGroup) -> tuple[Callable[[torch.Tensor], None] | None, object]:
+        # The history and ring position are those of the next step once this step is committed; the same
+        # gemv on the same data gives the same bits on any thread.
+        form = functools.partial(
+            self._form_into, history=group.history, ring_weights=group.ring_weights, position=self._ring_position
+        )
+        return form, self._form_ahead_key(group)
+
+    def _form_ahead_key(self, group: _DeviceGroup) -> object:
+        history = group.history
+        return (self._ring_position, None if history is None else (id(history), history._version))
+
+    def _commit_noise(self, group: _DeviceGroup) -> None:
+        # x_t replaces x_{t-b+1} (no longer needed) in the ring, only now that the step is taken.
+        if self.num_bands > 1:
+            group.history[self._ring_position].copy_(group.noise)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "coefficients": self.coefficients.tolist(),
+            "column_normalize_for_steps": self.column_normalize_for_steps,
+            "ring_position": self._ring_position,
+            "noise_scale": self._fixed_scale,
+        }
+
+    def _check_extra_state(self, state: dict[str, Any]) -> None:
+        saved = np.asarray(state["coefficients"], dtype=np.float64)
+        if saved.shape != self.coefficients.shape or not np.array_equal(saved, self.coefficients):
+            raise ValueError(
+                "state was saved with different coefficients; build BandMFNoise with the "
+                "coefficients of the saved run"
+            )
+        if state["column_normalize_for_steps"] != self.column_normalize_for_steps:
+            raise ValueError(
+                f"state was saved with column_normalize_for_steps="
+                f"{state['column_normalize_for_steps']}, this mechanism has "
+                f"{self.column_normalize_for_steps}"
+            )
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._ring_position = int(state["ring_position"])
+        self._fixed_scale = state["noise_scale"]
+
+    def __repr__(self) -> str:
+        return (
+            f"BandMFNoise(num_bands={self.num_bands}, column_normalize_for_steps="
+            f"{self.column_normalize_for_steps}, secure_mode={self.secure_mode}, step={self.step})"
+        )

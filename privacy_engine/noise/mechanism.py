@@ -1,0 +1,466 @@
+"""The base class of the noise mechanisms (``NoiseMechanism``).
+
+Both mechanisms share one interface: the optimizer hands over the clipped, summed gradients of
+all parameters (one tensor per parameter) and the mechanism adds this step's noise in place.
+
+Layout of the randomness. Tensors are grouped by device (in order of first appearance) and,
+within a device, laid end to end in one flat vector of ``total_numel`` entries. Each step draws
+one flat standard-normal vector per device from that device's own ``torch.Generator`` and adds
+the matching slice to each tensor. Both mechanisms draw the same way, so ``BandMFNoise`` with
+coefficients ``(1.0,)`` adds exactly the numbers ``GaussianNoise`` adds for the same seed.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from privacy_engine.interrupts import deferred_keyboard_interrupt
+from privacy_engine.noise import prefetch as noise_prefetch
+from privacy_engine.noise.layout import (
+    _SECURE_MODE_GENERATORS,
+    _derived_seed,
+    _DeviceGroup,
+    _global_generator_seed,
+    _noise_dtype,
+)
+from privacy_engine.noise.secure_random import full_entropy_generator
+from privacy_engine.noise.state import NoiseStateMixin
+
+__all__ = ["NoiseMechanism"]
+
+
+class NoiseMechanism(NoiseStateMixin, abc.ABC):
+    """Adds privacy noise to the clipped gradient sums, one step at a time.
+
+    Subclasses define the noise (``noise_std`` and how this step's noise is formed from fresh
+    Gaussian draws); this base class owns validation, per-device generators, the flat layout of
+    the tensors, and checkpointing (``NoiseStateMixin``, in ``state.py``).
+
+    Secure mode. What it promises: no seed search recovers the noise. Each device's four
+    generators get their state straight from the OS (``secure_random.full_entropy_generator``:
+    19937 bits per CPU generator, 64 per CUDA generator, instead of the 32 bits torch's
+    ``manual_seed`` keeps on CPU), and no seed or generator state is ever written to a
+    ``state_dict``, so a checkpoint cannot reproduce future noise (a resumed secure run draws
+    fresh OS-seeded generators). What it does not promise, and what to do about it:
+
+    * The generators (Mersenne Twister on CPU, Philox on CUDA) are statistically strong, not
+      cryptographically secure; full-entropy state rules out seed search, not a structural
+      attack from many exact outputs (the outputs are only ever seen summed four at a time and
+      added to gradients).
+    * Floating-point attacks on Gaussian sampling (Mironov 2012 for Laplace; Holohan & Braghin
+      2021, Jin et al. 2022 for Gaussian samplers): the floats a sampler can produce are sparse
+      and uneven, so the exact bits of ``gradient + noise`` can say more about the gradient than
+      the real-valued analysis allows. Summing four draws blurs the pattern (a mitigation, not a
+      proof). A user who needs more: release only post-processed values that discard low bits
+      (round the trained weights to a coarse grid before publishing them), keep intermediate
+      checkpoints private, and keep float64 gradients so the noise is drawn in float64.
+    * BandMF's ``state_dict`` still holds its history (past noise, which with the released
+      gradients reveals past clipped gradients): keep a checkpoint as secret as the data.
+
+    Args:
+        seed: seeds every generator reproducibly (each device gets its own derived stream).
+            ``None``: one draw from torch's global generator (so ``torch.manual_seed`` makes the
+            run reproducible, as with Opacus), recorded in ``state_dict`` for resuming.
+        secure_mode: OS entropy only (a user ``seed`` raises ``ValueError``), as described above.
+        prefetch: draw the next step's noise on a background thread while the current step's
+            forward and backward passes run (CPU tensors only; one more flat buffer per device).
+            ``None``: when torch's intra-op threads leave one of the process's cores free and a
+            device holds at least ``noise_prefetch.MIN_PREFETCH_NUMEL`` entries; ``True``: always;
+            ``False``: never. The noise added is bit for bit the same either way
+            (``privacy_engine.noise.prefetch``).
+    """
+
+    def __init__(self, *, seed: int | None = None, secure_mode: bool = False, prefetch: bool | None = None) -> None:
+        if secure_mode and seed is not None:
+            raise ValueError(
+                "seed must be None when secure_mode=True: secure mode draws its seeds from OS "
+                "entropy so that nobody can reproduce the noise. Drop `seed`, or set "
+                "secure_mode=False for a reproducible (not secure) run."
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
+        self.prefetch = prefetch
+        self.secure_mode = bool(secure_mode)
+        # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
+        # torch.manual_seed alone makes a run reproducible (never in secure mode).
+        self._seed = None if secure_mode else (_global_generator_seed() if seed is None else int(seed))
+        self._step = 0
+        self._layout_restarts = 0  # see restart_layout
+        self._signature: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...] | None = None
+        self._groups: list[_DeviceGroup] = []
+        self._pending_devices: list[dict[str, Any]] | None = None
+        self._pending_signature: list | None = None
+        self._draws_ahead: dict[int, noise_prefetch.PendingDraw] = {}  # id(device group) -> next step's draw
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A draw running in the background is not part of the state (a copy draws in place).
+        self._wait_for_draws_ahead()
+        state = dict(self.__dict__)
+        state["_draws_ahead"] = {}
+        return state
+
+    # ------------------------------------------------------------------ public interface
+    def restart_layout(self) -> None:
+        """Forget the layout (and BandMF's noise history): the next ``add_noise_`` lays the noise out
+        over the tensors it is given, e.g. after parameters were unfrozen.
+
+        Guarantee: the step count and the seeded stream continue (the new generators are derived
+        from the seed and the number of restarts, so no noise value is drawn twice). For BandMF the
+        correlation restarts: the strategy becomes block-diagonal, still b-banded with column norms
+        at most ``||c||_2``, so the same accounting holds (each participation still touches at most
+        b rows with that norm); only the noise cancellation across the restart is lost.
+        """
+        self._layout_restarts += 1
+        self._signature = None
+        self._wait_for_draws_ahead()
+        self._draws_ahead = {}
+        self._groups = []
+        if hasattr(self, "_ring_position"):
+            self._ring_position = 0
+
+    @property
+    def step(self) -> int:
+        """Number of steps taken (calls to ``add_noise_``)."""
+        return self._step
+
+    @abc.abstractmethod
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """Standard deviation ``s`` of the fresh Gaussian draws ``z_t`` (see subclasses)."""
+
+    def add_noise_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        noise_multiplier: float,
+        max_grad_norm: float,
+        *,
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
+        """Add this step's noise in place to each tensor and advance the step index by one.
+
+        ``tensors`` are the clipped gradient sums, one per parameter; they may differ in shape,
+        dtype and device, but the list (shapes, dtypes, devices, order) must be the same at
+        every step, because the mechanism's state is laid out over it.
+
+        Guarantee: when ``noise_std > 0``, every call draws fresh Gaussian values for every
+        entry of every tensor and adds exactly this step's noise of the mechanism (nothing is
+        skipped, reused or scaled beyond what the mechanism defines); the step index advances
+        by one per successful call, and a call rejected by validation changes nothing.
+
+        Transactional: the noise is drawn and formed in scratch buffers and added to
+        ``tensors``; only then is the step committed (``on_commit()``, then the BandMF history
+        row, ring position and step index), with Ctrl-C held off (``deferred_keyboard_interrupt``).
+        If anything raises before the commit (``KeyboardInterrupt`` included, ``on_commit``
+        included), the generators are put back and the mechanism is exactly as before the call;
+        ``tensors`` may then hold part of the noise and must be discarded. ``on_commit`` is
+        where a caller records the release (the accountant): it runs only when the noise is in
+        place and the step is committed if and only if it returns. A ``KeyboardInterrupt`` that
+        arrives during the commit is raised after it: the step then counts as taken.
+
+        =========================  ==============================================
+        case                       result
+        =========================  ==============================================
+        noise_multiplier = 0       no noise: tensors unchanged, step advances
+        noise_multiplier < 0/NaN   ValueError, nothing changed
+        max_grad_norm = 0          std 0: tensors unchanged, step advances
+        max_grad_norm = inf        ValueError if noise_multiplier > 0
+        max_grad_norm < 0/NaN      ValueError, nothing changed
+        tensors empty / not float  ValueError, nothing changed
+        shapes differ from step 0  ValueError, nothing changed
+        exception before commit    re-raised, mechanism unchanged
+        =========================  ==============================================
+        """
+        scale = self._validated_noise_scale(noise_multiplier, max_grad_norm)
+        std = self.noise_std(noise_multiplier, max_grad_norm)
+        tensors = list(tensors)
+        signature = self._check_tensors(tensors)
+        self._before_step(scale)
+        if not self._groups:
+            self._initialise(tensors, signature)
+        drawn = std > 0.0
+        # Drawing advances the generators: their states are kept (a few KB) so that a failed
+        # step can be undone; the noise itself is formed in scratch buffers, never in the history.
+        generator_states = [[g.get_state() for g in group.generators] for group in self._groups] if drawn else []
+        committed = False
+        try:
+            with torch.no_grad():
+                if drawn:
+                    for group in self._groups:
+                        self._ensure_buffers(group)
+                        self._fill_standard_noise(group, std)
+                        row_scale = self._form_noise(group)
+                        self._add_to_tensors(group, [tensors[i] for i in group.tensor_indices], row_scale)
+                with deferred_keyboard_interrupt():
+                    if on_commit is not None:
+                        on_commit()
+                    self._commit(drawn)
+                    committed = True
+        except BaseException:
+            if not committed:
+                for group, states in zip(self._groups, generator_states):
+                    for generator, state in zip(group.generators, states):
+                        generator.set_state(state)
+            raise
+        if drawn and self._prefetching():
+            self._draw_ahead(std)
+
+    def _commit(self, drawn: bool) -> None:
+        """Make this step's noise part of the state (the only place a step changes it)."""
+        if drawn:
+            for group in self._groups:
+                self._commit_noise(group)
+        self._after_step()
+        self._step += 1
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _before_step(self, noise_scale: float) -> None:
+        """Validate step-dependent conditions before anything is changed.
+
+        ``noise_scale`` is the validated ``noise_multiplier * max_grad_norm``."""
+
+    def _after_step(self) -> None:
+        """Update per-step state after the noise was added."""
+
+    def _form_noise(self, group: _DeviceGroup) -> float:
+        """Turn ``group.noise`` (iid N(0, s^2)) into this step's noise; return a scale to apply
+        when adding it to the tensors. Must not change the mechanism's state (see ``_commit``)."""
+        return 1.0
+
+    def _form_ahead(self, group: _DeviceGroup) -> tuple[Callable[[torch.Tensor], None] | None, object]:
+        """For a draw made ahead (after a commit): a function turning the next step's standard draw into its
+        noise as ``_form_noise`` would, computed from the state as it is now, and the key of that state
+        (``_form_ahead_key``); ``(None, None)``: formed at the step instead."""
+        return None, None
+
+    def _form_ahead_key(self, group: _DeviceGroup) -> object:
+        """What ``_form_ahead``'s function reads of the mechanism's state (a draw formed ahead is used only
+        while it is unchanged)."""
+        return None
+
+    def _commit_noise(self, group: _DeviceGroup) -> None:
+        """Keep what later steps need of this step's noise (``group.noise``), once it is committed."""
+
+    def _history_rows(self) -> int:
+        return 0
+
+    def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _check_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _validated_noise_scale(noise_multiplier: float, max_grad_norm: float) -> float:
+        """``noise_multiplier * max_grad_norm`` after checking both; 0.0 means no noise."""
+        try:
+            noise_multiplier = float(noise_multiplier)
+            max_grad_norm = float(max_grad_norm)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"noise_multiplier and max_grad_norm must be real numbers, got "
+                f"{noise_multiplier!r} and {max_grad_norm!r}"
+            ) from error
+        if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0 (0 disables noise), got {noise_multiplier}"
+            )
+        if math.isnan(max_grad_norm) or max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
+        if noise_multiplier == 0.0:
+            return 0.0
+        if math.isinf(max_grad_norm):
+            raise ValueError(
+                "max_grad_norm is inf with noise_multiplier > 0: unclipped gradients have "
+                "unbounded sensitivity and no finite noise makes them private. Set a finite "
+                "max_grad_norm, or noise_multiplier=0 for non-private training."
+            )
+        scale = noise_multiplier * max_grad_norm
+        if not math.isfinite(scale):
+            raise ValueError(
+                f"noise_multiplier * max_grad_norm overflows ({noise_multiplier} * {max_grad_norm})"
+            )
+        return scale
+
+    def _check_tensors(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]:
+        if not tensors:
+            raise ValueError("tensors is empty: pass the clipped gradient sum of every parameter")
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"tensors[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"tensors[{index}] has dtype {tensor.dtype}; noise can only be added to "
+                    "floating-point tensors"
+                )
+        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        if self._signature is not None and signature != self._signature:
+            reference = self._signature
+            if len(signature) != len(reference):
+                detail = f"{len(reference)} tensors at the first step, {len(signature)} now"
+            else:
+                index = next(i for i, (a, b) in enumerate(zip(signature, reference)) if a != b)
+                detail = (
+                    f"tensors[{index}] was (shape {list(reference[index][0])}, "
+                    f"{reference[index][1]}, {reference[index][2]}), now (shape "
+                    f"{list(signature[index][0])}, {signature[index][1]}, {signature[index][2]})"
+                )
+            raise ValueError(
+                "tensors must be the same list (shapes, dtypes, devices, order) at every step, "
+                f"because the noise state is laid out over them: {detail}. Build a new "
+                "mechanism if the set of parameters changed."
+            )
+        saved = self._pending_signature
+        if self._signature is None and saved is not None:
+            current = [(list(shape), str(dtype), str(device)) for shape, dtype, device in signature]
+            if [(list(a), b) for a, b, _ in current] != [(list(a), b) for a, b, _ in saved]:
+                raise ValueError(
+                    "tensors do not match the (shapes, dtypes) saved in the loaded state: "
+                    "resume with the same parameters in the same order"
+                )
+        return signature
+
+    # ------------------------------------------------------------------ state handling
+    def _initialise(self, tensors: list[torch.Tensor], signature: tuple) -> None:
+        groups = self._layout(tensors)
+        for device_index, group in enumerate(groups):
+            group.generators = self._new_generators(group.device, device_index)
+        pending = self._pending_devices
+        if pending is not None:
+            self._check_saved_devices(pending, groups)
+        self._groups = groups
+        self._signature = signature
+        self._shapes = [tuple(t.shape) for t in tensors]
+        if pending is not None:
+            self._restore_devices(pending)
+            self._pending_devices = None
+            self._pending_signature = None
+
+    @staticmethod
+    def _layout(tensors: list[torch.Tensor]) -> list[_DeviceGroup]:
+        """The tensors grouped by device and laid end to end per device (no generators yet)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for index, tensor in enumerate(tensors):
+            by_device.setdefault(tensor.device, []).append(index)
+        groups = []
+        for device, indices in by_device.items():
+            offsets, numel = [], 0
+            for index in indices:
+                offsets.append(numel)
+                numel += tensors[index].numel()
+            dtype = _noise_dtype([tensors[i].dtype for i in indices])
+            groups.append(_DeviceGroup(device=device, tensor_indices=indices, offsets=offsets, numel=numel,
+                                       dtype=dtype, generators=[]))  # fmt: skip
+        return groups
+
+    def _new_generators(self, device: torch.device, device_index: int) -> list[torch.Generator]:
+        if self.secure_mode:
+            return [full_entropy_generator(device) for _ in range(_SECURE_MODE_GENERATORS)]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_derived_seed(self._seed, device_index, 0, self._layout_restarts))
+        return [generator]
+
+    def _ensure_buffers(self, group: _DeviceGroup) -> None:
+        if group.noise is not None:
+            return
+        group.noise = torch.empty(group.numel, dtype=group.dtype, device=group.device)
+        if self.secure_mode:
+            group.secure_scratch = torch.empty_like(group.noise)
+        group.noise_views = [
+            group.noise[offset : offset + math.prod(self._shapes[i])].view(self._shapes[i])
+            for i, offset in zip(group.tensor_indices, group.offsets)
+        ]
+        rows = self._history_rows()
+        if rows > 0 and group.history is None:
+            group.history = torch.zeros(rows, group.numel, dtype=group.dtype, device=group.device)
+        if rows > 0:
+            group.ring_weights = self._make_ring_weights(group.dtype, group.device)
+
+    def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
+        """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is
+        exactly what drawing now gives (the generators then move on as drawing would have moved them), else
+        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both)."""
+        group.formed_ahead = False
+        ahead = self._draws_ahead.pop(id(group), None)
+        if (
+            ahead is not None
+            and ahead.wait()
+            and ahead.buffer is group.next_noise
+            and ahead.matches(group.generators, std)
+            and (ahead.formed is None or ahead.formed == self._form_ahead_key(group))
+        ):
+            group.noise, group.next_noise = group.next_noise, group.noise
+            group.noise_views, group.next_views = group.next_views, group.noise_views
+            for generator, shadow in zip(group.generators, ahead.shadows):
+                generator.set_state(shadow.get_state())
+            group.formed_ahead = ahead.formed is not None
+            return
+        # Secure mode: the sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
+        noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode)
+
+    # ------------------------------------------------------------------ drawing ahead (noise.prefetch)
+    def _prefetching(self) -> bool:
+        if self.prefetch is None:
+            return noise_prefetch.spare_core() and any(g.numel >= noise_prefetch.MIN_PREFETCH_NUMEL for g in self._groups)
+        return self.prefetch
+
+    def _draw_ahead(self, std: float) -> None:
+        """Start drawing the next step's noise (at this step's std) for every CPU device, in the background."""
+        for group in self._groups:
+            if group.device.type != "cpu" or id(group) in self._draws_ahead or group.noise is None:
+                continue
+            if self.prefetch is None and group.numel < noise_prefetch.MIN_PREFETCH_NUMEL:
+                continue
+            if group.next_noise is None:
+                group.next_noise = torch.empty_like(group.noise)
+                group.next_views = [
+                    group.next_noise[view.storage_offset() : view.storage_offset() + view.numel()].view(view.shape)
+                    for view in group.noise_views
+                ]
+                if self.secure_mode:
+                    group.next_scratch = torch.empty_like(group.noise)
+                group.shadow_generators = [torch.Generator(device=group.device) for _ in group.generators]
+            states = [generator.get_state() for generator in group.generators]
+            for shadow, state in zip(group.shadow_generators, states):
+                shadow.set_state(state)
+            form, formed = self._form_ahead(group)
+            future = noise_prefetch.submit(noise_prefetch.draw_and_form, group.next_noise, group.next_scratch,
+                                           group.shadow_generators, std, self.secure_mode, form)  # fmt: skip
+            self._draws_ahead[id(group)] = noise_prefetch.PendingDraw(
+                buffer=group.next_noise, std=std, start_states=states, shadows=group.shadow_generators, future=future,
+                formed=formed,
+            )  # fmt: skip
+
+    def _wait_for_draws_ahead(self) -> None:
+        for ahead in getattr(self, "_draws_ahead", {}).values():
+            ahead.wait()
+
+    @staticmethod
+    def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float) -> None:
+        same_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype == group.dtype]
+        other_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype != group.dtype]
+        if same_dtype:
+            targets, noises = zip(*same_dtype)
+            if scale == 1.0:
+                torch._foreach_add_(list(targets), list(noises))
+            else:
+                torch._foreach_add_(list(targets), list(noises), alpha=scale)
+        for target, noise in other_dtype:
+            target.add_(noise.to(target.dtype) if scale == 1.0 else (noise * scale).to(target.dtype))

@@ -1,0 +1,120 @@
+"""The noise of a distributed step (``RankZeroNoise``): drawn on rank 0, reduced with the clipped sums."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from privacy_engine.noise import NoiseMechanism
+from privacy_engine.training.distributed_job import DistributedJob
+
+__all__ = ["RankZeroNoise"]
+
+
+class RankZeroNoise(NoiseMechanism):
+    """The noise of a distributed step: ``inner``'s noise added on rank 0, then one all-reduce.
+
+    ``add_noise_(sums, sigma, C)`` on every rank: rank 0 adds ``inner``'s noise for this step to
+    its local clipped sums; then the sums are all-reduced (SUM) over the ranks, in place; then
+    ``on_commit`` runs and the step is committed (on rank 0 inside ``inner``'s transaction, so a
+    failed all-reduce leaves ``inner`` exactly as before the call).
+
+    Guarantee: after the call, every rank holds the same values
+    ``sum over all ranks' clipped sums + exactly one draw of inner's noise`` (Gaussian or BandMF,
+    secure or not: rank 0's mechanism is the only one that draws). The un-noised global sum is
+    never formed on any rank. All noise state (generators, BandMF history) is rank 0's: save the
+    optimizer's state from rank 0.
+
+    ==================================  ==================================================
+    case                                result
+    ==================================  ==================================================
+    noise_multiplier = 0                sums reduced, no noise
+    bad sigma / C (e.g. inf C)          ValueError on every rank, before communicating
+    another rank failed / timed out     DistributedStepError; rank 0's noise state is
+                                        rolled back (the optimizer drops the .grad)
+    state saved on a rank other than 0  loading it on rank 0 raises ValueError
+    ==================================  ==================================================
+    """
+
+    def __init__(self, inner: NoiseMechanism, job: DistributedJob) -> None:
+        # NoiseMechanism.__init__ is not called: every piece of noise state is inner's, and every
+        # public method below goes to inner.
+        if isinstance(inner, RankZeroNoise):
+            raise TypeError("inner is already a RankZeroNoise")
+        self.inner = inner
+        self.job = job
+        self._released = inner.step
+
+    def __getattr__(self, name: str) -> Any:
+        # Mechanism attributes (num_bands, coefficients, ...) are inner's. Dunders and our own
+        # fields are not forwarded (copy/pickle probe them before __init__ has run).
+        if name.startswith("__") or name in ("inner", "job", "_released"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def secure_mode(self) -> bool:  # type: ignore[override]
+        return self.inner.secure_mode
+
+    @property
+    def step(self) -> int:
+        return self._released
+
+    def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        return self.inner.noise_std(noise_multiplier, max_grad_norm)
+
+    def restart_layout(self) -> None:
+        self.inner.restart_layout()
+
+    def add_noise_(self, tensors: Sequence[torch.Tensor], noise_multiplier: float, max_grad_norm: float, *,
+                   on_commit: Any = None) -> None:  # fmt: skip
+        tensors = list(tensors)
+        # Validated on every rank alike, so a bad argument raises everywhere before communicating.
+        self._validated_noise_scale(noise_multiplier, max_grad_norm)
+        if not tensors:
+            raise ValueError("tensors is empty: pass the clipped gradient sum of every parameter")
+        for index, tensor in enumerate(tensors):
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+                raise ValueError(f"tensors[{index}] must be a floating-point tensor")
+
+        def reduce_then_commit() -> None:
+            self.job.all_reduce_sum_(tensors, f"the all-reduce of global step {self._released} (clipped sums + noise)")
+            if on_commit is not None:
+                on_commit()
+
+        if self.job.rank == 0:
+            self.inner.add_noise_(tensors, noise_multiplier, max_grad_norm, on_commit=reduce_then_commit)
+        else:
+            reduce_then_commit()
+        self._released += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.inner.state_dict())
+        state["step"] = self._released
+        state["distributed"] = {"saved_on_rank": self.job.rank, "world_size": self.job.world_size}
+        return state
+
+    def check_state_dict(self, state: Any, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        saved = state.get("distributed", {}) if isinstance(state, dict) else {}
+        if self.job.rank == 0 and saved.get("saved_on_rank", 0) != 0:
+            raise ValueError(
+                f"this noise state was saved on rank {saved['saved_on_rank']}, whose noise mechanism never draws: "
+                "the job's noise state is rank 0's. Save the optimizer's state dict from rank 0."
+            )
+        if self.job.rank == 0:
+            self.inner.check_state_dict(_without_distributed(state), tensors)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Every rank loads rank 0's state; only rank 0 will draw from it.
+        self.check_state_dict(state)
+        self.inner.load_state_dict(_without_distributed(state))
+        self._released = int(state["step"])
+
+    def __repr__(self) -> str:
+        return f"RankZeroNoise({self.inner!r}, rank={self.job.rank}, world_size={self.job.world_size})"
+
+
+def _without_distributed(state: Any) -> Any:
+    return {k: v for k, v in state.items() if k != "distributed"} if isinstance(state, dict) else state

@@ -1,0 +1,458 @@
+"""DPOptimizer: any ``torch.optim.Optimizer`` turned into a differentially private one.
+
+One logical step is: clip every example's gradient and sum (``PerSampleGradientClipper``), add
+Gaussian (or BandMF) noise to the sum once (the noise mechanism), divide by the expected batch
+size, record the step with the accountant, and let the wrapped optimizer update the parameters
+from these private gradients. Everything else (param_groups, state, LR schedulers, hooks) is the
+wrapped optimizer's.
+
+The step itself is here; its parts are next to it in ``privacy_engine/training/``:
+
+* ``optimizer_arguments.py``: the checks on the constructor's arguments;
+* ``parameter_sync.py``: which parameters are private (frozen / unfrozen during training);
+* ``release_checks.py``: the checks before a release, BandMF noise rows, what the accountant records;
+* ``loss_scaling.py``: fp16 loss scaling with ``torch.amp.GradScaler``;
+* ``optimizer_state.py``: ``state_dict`` / ``load_state_dict`` (checkpoints);
+* ``step_contract.py``: which batches and backward passes one step contains.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from privacy_engine.clipping import ClippingStats, MaxGradNorm, PerSampleGradientClipper
+from privacy_engine.noise import NoiseMechanism
+from privacy_engine.training.batch_tickets import BatchTicket
+from privacy_engine.training.loss_scaling import LossScaling
+from privacy_engine.training.optimizer_arguments import (
+    build_clipper,
+    build_noise,
+    check_accounting,
+    check_loss_reduction,
+    check_noise_multiplier,
+    check_sensitivity,
+    check_wrapped_optimizer,
+    trainable_parameters,
+)
+from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerState
+from privacy_engine.training.parameter_sync import ParameterSync
+from privacy_engine.training.release_checks import ReleaseChecks
+from privacy_engine.training.step_contract import Release, StepContract, register_optimizer
+
+__all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
+
+
+class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Optimizer):
+    """Differentially private wrapper around ``optimizer`` (SGD, Adam, AdamW, ...).
+
+    ``step()`` does, for one logical batch: (1) ``clip_and_accumulate`` if per-sample gradients
+    are waiting; (2) unless ``signal_skip_step()`` asked to skip (a micro-batch of a larger
+    logical batch, see ``virtual_steps``), write the clipped sum into ``.grad``, add noise of
+    standard deviation ``noise_multiplier * sensitivity`` to every entry, record the step with the
+    accountant, divide by ``expected_batch_size`` (``loss_reduction="mean"``) and call the wrapped
+    optimizer's ``step()``.
+
+    Guarantee: every step that is not skipped releases ``sum_i clip(g_i) + N(0, (sigma C)^2 I)``
+    (C the clipper's sensitivity), whatever the gradients, and is recorded with the accountant
+    (sample_rate, noise_multiplier, the mechanism's num_bands). The ``.grad`` the wrapped
+    optimizer sees is never the raw gradient from ``backward``: it is overwritten at every step.
+
+    ====================================  ==============================================
+    case                                  result
+    ====================================  ==============================================
+    empty batch (no per-sample grads)     noise alone is added, the step is recorded
+    step() after signal_skip_step()       clip and accumulate only: no noise, no record
+    noise_multiplier = 0                  no noise; the accountant reports epsilon = inf
+    sensitivity inf and noise_mult. > 0   ValueError at construction
+    a parameter never used in forward     zero gradient plus noise (it is still updated)
+    frozen parameter (requires_grad off)  read at every forward and step: no clipping, no
+                                          noise, no update; unfrozen later: clipped and
+                                          noised from then on (``sync_private_parameters``)
+    closure given                         evaluated once (with grad), then as above
+    zero_grad() between micro-batches     keeps the accumulated sum of the logical step
+    gradients without per-sample ones     RuntimeError (eval mode, unwrapped model), nothing
+                                          released or counted
+    several loader batches in one step    each clipped on its own; accounted as k draws in one
+                                          release; divided by k * expected_batch_size
+    ====================================  ==============================================
+
+    Which batches, backward passes and parameters one step contains, and every check made before
+    a release, are the step contract's: see ``privacy_engine.training.step_contract`` for the table of loop
+    patterns (accumulation, unfreezing, eval, exceptions, skipping, look-ahead, several optimizers).
+
+    Args:
+        optimizer: the optimizer to wrap. Its trainable parameters (``requires_grad``) at
+            construction are the ones clipped and noised.
+        noise_multiplier: sigma, the noise std in units of the clipping sensitivity.
+        max_grad_norm: clipping bound(s), see ``PerSampleGradientClipper`` (ignored if
+            ``clipper`` is given).
+        expected_batch_size: the expected number of examples per logical batch (users, with
+            per-user clipping); the noisy sum is divided by it for ``loss_reduction="mean"``.
+        clipping: ``"flat"`` or ``"per_layer"`` (ignored if ``clipper`` is given; per_layer then
+            uses one group per parameter).
+        loss_reduction: ``"mean"`` or ``"sum"``, as given to ``GradSampleModule``.
+        clipper: a ready ``PerSampleGradientClipper`` over exactly these parameters.
+        noise: a ``NoiseMechanism`` (default ``GaussianNoise(seed=noise_seed, secure_mode=...)``).
+        noise_seed: seed of the default Gaussian noise (``None``: OS entropy).
+        secure_mode: OS-entropy noise only; a ``noise_seed`` raises.
+        accountant: records every released step (``step(noise_multiplier=, sample_rate=,
+            num_bands=)``); ``None`` for no accounting.
+        sample_rate: the sampling probability recorded with each step (needed with an accountant).
+        padding_mask_source: callable giving the padding mask of the batch being clipped (the
+            engine passes ``lambda: loader.padding_mask``); ``None`` for no padding.
+        budget: a ``privacy_engine.engine.budget.PrivacyBudget`` (needs an accountant): each release is
+            checked against it first and refused with ``PrivacyBudgetExceeded``; ``None``: none.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: MaxGradNorm | None = None,
+        expected_batch_size: float | None = None,
+        clipping: str = "flat",
+        loss_reduction: str = "mean",
+        clipper: PerSampleGradientClipper | None = None,
+        noise: NoiseMechanism | None = None,
+        noise_seed: int | None = None,
+        secure_mode: bool = False,
+        accountant: Any | None = None,
+        sample_rate: float | None = None,
+        padding_mask_source: Callable[[], torch.Tensor | None] | None = None,
+        source: str = "",
+        per_user_clipping: bool = True,
+        budget: Any | None = None,
+    ) -> None:
+        check_wrapped_optimizer(optimizer)
+        if isinstance(optimizer, DPOptimizer):
+            raise TypeError("optimizer is already a DPOptimizer; wrap the original optimizer once")
+        noise_multiplier = check_noise_multiplier(noise_multiplier)
+        check_loss_reduction(loss_reduction, expected_batch_size)
+        clipper = build_clipper(trainable_parameters(optimizer), clipper, max_grad_norm, clipping)
+        noise = build_noise(noise, noise_seed, secure_mode)
+        check_sensitivity(noise_multiplier, clipper)
+        num_bands = int(getattr(noise, "num_bands", 1))
+        check_accounting(
+            accountant=accountant, sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_bands=num_bands,
+            padding_mask_source=padding_mask_source, budget=budget,
+        )  # fmt: skip
+
+        self._init_hook_tables()
+        self.original_optimizer = optimizer
+        self.clipper = clipper
+        self.noise = noise
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
+        self.loss_reduction = loss_reduction
+        self.accountant = accountant
+        self.sample_rate = None if sample_rate is None else float(sample_rate)
+        self.num_bands = num_bands
+        self.padding_mask_source = padding_mask_source
+        self.last_clipping_stats: ClippingStats | None = None
+        self.steps_taken = 0  # released (noised) steps
+        self._skip_next_step = False
+        self._in_logical_step = False  # a skipped step left clipped sums for the next one
+        #: What the open step contains and the checks before a release (privacy_engine.training.step_contract).
+        self.contract = StepContract()
+        #: Accountant entries of this optimizer are tagged with it, so several private optimizers on one
+        #: accountant compose as separate mechanisms.
+        self.source = str(source)
+        #: Whether ``clip_and_accumulate(group_ids=...)`` is allowed: the engine's optimizers sample and
+        #: account per example, so per-user clipping would be accounted wrongly there.
+        self.per_user_clipping = bool(per_user_clipping)
+        #: Called with the clipped sums (the .grad tensors) before noise is added: the distributed
+        #: all-reduce hooks in here (privacy_engine.training.distributed).
+        self.reduce_clipped_sums: Callable[[list[torch.Tensor]], None] | None = None
+        #: A privacy budget consulted before every release (privacy_engine.engine.budget); None for none.
+        self.budget: Any | None = budget
+        self._all_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._grad_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (id(.grad), version) we left
+        register_optimizer(self)
+
+    def _init_hook_tables(self) -> None:
+        # Optimizer.__init__ would build new param_groups; the wrapped optimizer's are used
+        # instead, so only the hook tables it sets up are created here.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Optimizer.__getstate__ keeps only defaults/state/param_groups; a copy needs everything.
+        return dict(self.__dict__)
+
+    # ------------------------------------------------------------------ the wrapped optimizer
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.original_optimizer.defaults = value
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters that are clipped and noised."""
+        return self.clipper.params
+
+    @property
+    def max_grad_norm(self) -> MaxGradNorm:
+        return self.clipper.config.max_grad_norm
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "parameters cannot be added to a DPOptimizer: the clipper and the noise are laid out over "
+            "the parameters given at construction. Add the group before making the optimizer private."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
+            f"expected_batch_size={self.expected_batch_size}, noise={self.noise!r}, "
+            f"original_optimizer={self.original_optimizer!r})"
+        )
+
+    # ------------------------------------------------------------------ the step contract
+    def _bind_if_ours(self, wrapper: Any) -> None:
+        """Bind a GradSampleModule whose trainable parameters this optimizer clips (or a fast-clipping
+        wrapper attached to this optimizer's clipper)."""
+        if hasattr(wrapper, "attach_clipper"):
+            if wrapper.clipper is not self.clipper:
+                return
+        else:
+            mine = {id(p) for p in self._all_params}
+            theirs = [p for p in wrapper.wrapped_module.parameters() if p.requires_grad]
+            if not theirs or any(id(p) not in mine for p in theirs):
+                return
+        wrapper.bind(self)
+        self.contract.attach_module(wrapper)
+
+    def attach_loader(self, loader: Any) -> None:
+        """Tie this optimizer's steps to the batches of a private loader (``DPDataLoader``)."""
+        self.contract.attach_queue(loader.tickets)
+
+    def accumulate_pass(self, ticket: BatchTicket) -> None:
+        """Clip one completed backward pass's per-sample gradients (``grad_sample``) with its own
+        batch's padding mask, and note the batch as part of the open step."""
+        if not self._has_grad_samples():
+            return  # dropped since (zero_grad): nothing of this pass is released
+        padding_mask = ticket.mask() if ticket.tracked else self.current_padding_mask()
+        self.clipper.clip_and_accumulate(padding_mask=padding_mask)
+        self.contract.contributed(ticket)
+
+    # ------------------------------------------------------------------ DP steps
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the next ``step()`` only clip and accumulate (a micro-batch that does not close
+        its logical batch). The step after that releases the sum of all of them at once."""
+        self._skip_next_step = bool(do_skip)
+
+    def clip_and_accumulate(
+        self, *, padding_mask: torch.Tensor | None = None, group_ids: torch.Tensor | None = None
+    ) -> None:
+        """Clip the waiting per-sample gradients into the accumulator (see
+        ``PerSampleGradientClipper.clip_and_accumulate``). ``padding_mask`` defaults to
+        ``padding_mask_source()``. Call it yourself for per-user clipping (``group_ids``)."""
+        if group_ids is not None and not self.per_user_clipping:
+            raise ValueError(
+                "group_ids (per-user clipping) with an optimizer from make_private: its loader samples and its "
+                "accountant accounts single examples, so removing one example could change a user's clipped sum by "
+                "up to 2 * max_grad_norm. Sample users (one entry per user, holding all their examples) and clip "
+                "per entry instead."
+            )
+        if group_ids is not None and (self._in_logical_step or self._skip_next_step):
+            raise ValueError(
+                "group_ids (per-user clipping) inside a logical batch split into micro-batches: a user split across "
+                "micro-batches would be clipped once per micro-batch. Clip per user on whole logical batches."
+            )
+        if padding_mask is None:
+            padding_mask = self.current_padding_mask()
+        if self._has_grad_samples():
+            self.contract.contributed(BatchTicket(loader_step=None, size=0))
+        self.clipper.clip_and_accumulate(padding_mask=padding_mask, group_ids=group_ids)
+
+    def current_padding_mask(self) -> torch.Tensor | None:
+        """The padding mask of the batch being trained on (from ``padding_mask_source``, which
+        ``VirtualSteps`` redirects to the micro-batch's slice), or None. Fast clipping reads it at
+        the end of each backward pass."""
+        return None if self.padding_mask_source is None else self.padding_mask_source()
+
+    def _has_grad_samples(self) -> bool:
+        return any(getattr(p, "grad_sample", None) is not None for p in self.clipper.params)
+
+    def pre_step(self) -> bool:
+        """Clip what is waiting; if this step is not skipped, check what the release contains (see
+        ``privacy_engine.training.step_contract``), write the private gradient (clipped sum + noise, divided by
+        the expected batch size) into ``.grad`` and record the step. Returns whether the wrapped
+        optimizer should step now. Every check raises before anything is released or counted."""
+        self.sync_private_parameters()
+        for module in self.contract.modules:
+            module.flush_grad_samples()
+        if self._has_grad_samples():
+            self.clip_and_accumulate()
+        if self._skip_next_step:
+            self._skip_next_step = False
+            self._in_logical_step = True
+            return False
+        params = self.clipper.params
+        release = self.contract.close()
+        rows, loader_step = self._check_release(release, params)
+        self._in_logical_step = False
+        self.last_clipping_stats = self.clipper.pre_step()
+        grads = self.clipper.released_sums  # float32 at least; half-precision .grad is cast after the noise
+        self._add_noise_and_record(grads, params, release, rows, loader_step)
+        for module in self.contract.modules:
+            module._forward_ticket = None  # a later backward must come from a new forward
+        if self.loss_reduction == "mean":
+            # Divide by the expected batch size, not the realised one: the realised size depends
+            # on which examples were sampled, and dividing by it would release that number
+            # without noise (and change the sensitivity).
+            torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, 1))
+        for param, grad in zip(params, grads):
+            if param.grad is not grad:
+                param.grad = grad.to(param.dtype)  # the noised sum, rounded once
+        for param in self._all_params:
+            if not param.requires_grad:
+                param.grad = None  # frozen: no noise, no update
+        self._grad_marks = {id(p): (id(p.grad), p.grad._version) for p in params}
+        self._run_step_hooks()
+        return True
+
+    def _add_noise_and_record(
+        self, grads: list[torch.Tensor], params: list[nn.Parameter], release: Release, rows: int,
+        loader_step: int | None,
+    ) -> None:  # fmt: skip
+        """Noise the clipped sums ``grads`` in place and record the step, in one commit of the noise
+        state (after the discarded BandMF rows of the loader steps not released, see ``_noise_rows``).
+        On any error the clipped sums are removed from ``.grad`` before it propagates."""
+        try:
+            if self.reduce_clipped_sums is not None:
+                self.reduce_clipped_sums(grads)
+            step_kwargs = self._accounting_kwargs(release, rows)
+            if self.budget is not None:
+                self.budget.check_release(self.accountant, **step_kwargs)
+            step_kwargs.pop("num_steps", None)
+            for _ in range(rows - 1):
+                # BandMF rows of batches the loop drew and never released: drawn and discarded, so each
+                # released batch gets the noise row of its own step (and its group's min-separation). Each
+                # such row is counted (in its own commit): participations never exceed ceil(rows / b).
+                self.noise.add_noise_([torch.zeros_like(g) for g in grads], self.noise_multiplier,
+                                      self.clipper.sensitivity,
+                                      on_commit=lambda: self.accountant is None or self.accountant.step(**step_kwargs))  # fmt: skip
+
+            def record() -> None:
+                # Runs inside the noise step's commit: the step is recorded if and only if its noise
+                # state advances. Every released step is recorded, an empty batch's too: its noise was
+                # drawn for a batch that could have held any example.
+                if self.accountant is not None:
+                    self.accountant.step(**step_kwargs)
+                self.steps_taken += 1
+                self.contract.released(release, loader_step)
+
+            self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity, on_commit=record)
+        except BaseException:
+            # The .grad tensors hold the un-noised clipped sum: never leave it where a later
+            # optimizer step could use it.
+            for param in params:
+                param.grad = None
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        scaled_step = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+        if not scaled_step:
+            return self._step(closure)
+        try:
+            return self._step(closure, scaled_step=True)
+        except BaseException:
+            # GradScaler removes the attributes it set only when step() returns: a later plain step must
+            # not take them for a scaled one.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+
+    def _step(self, closure: Callable[[], Any] | None, *, scaled_step: bool = False) -> Any:
+        if scaled_step:
+            self._check_scaled_step()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pre_step():
+            # The closure is not passed on: re-evaluating it would overwrite the private .grad.
+            self.original_optimizer.step()
+            released = [p.grad for p in self.clipper.params if p.grad is not None]
+        else:
+            released = []  # nothing released (a virtual step's micro-batch): nothing public to react to
+        if scaled_step:
+            self._report_overflow_to_scaler(released)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` and ``grad_sample`` of the parameters, and the accumulated clipped sum
+        unless a logical step is open (the last ``step()`` was skipped): virtual steps call
+        ``zero_grad()`` between micro-batches of one logical batch."""
+        for param in self.clipper.params:
+            if getattr(param, "grad_sample", None) is not None:
+                param.grad_sample = None
+        if not self._in_logical_step:
+            # Everything gathered for the open step is dropped: nothing of it is released or counted.
+            self.clipper.reset()
+            self.contract.discard()
+            for module in self.contract.modules:
+                module._grad_sample_ticket = None
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def discard_logical_step(self) -> None:
+        """Drop a partly accumulated logical step (nothing was released, nothing is recorded) and
+        any pending skip: used when a loop stops between micro-batches of one logical batch."""
+        for param in self.clipper.params:
+            if getattr(param, "grad_sample", None) is not None:
+                param.grad_sample = None
+        for module in self.contract.modules:
+            module._grad_sample_ticket = None
+        self.clipper.reset()
+        self.contract.discard()
+        self._skip_next_step = False
+        self._in_logical_step = False
+
+    # ------------------------------------------------------------------ step hooks (Opacus's extension point)
+    def attach_step_hook(self, hook: Callable[[DPOptimizer], None]) -> None:
+        """Call ``hook(optimizer)`` after every released step: once its private gradient is in
+        ``.grad`` (noised, divided by the expected batch size) and recorded, before the wrapped
+        optimizer updates the parameters. Skipped micro-batch steps do not call it. Hooks add up
+        (Opacus keeps one, replaced at each call); the engine's own accounting never depends on
+        them. What a hook reads from ``.grad`` is already private (noised); an exception in it
+        propagates after the step was recorded."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable (it is called with the optimizer); got {hook!r}")
+        self.__dict__.setdefault("_step_hooks", []).append(hook)
+
+    def _run_step_hooks(self) -> None:
+        for hook in self.__dict__.get("_step_hooks", ()):
+            hook(self)

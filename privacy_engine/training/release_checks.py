@@ -1,0 +1,103 @@
+"""The checks a ``DPOptimizer`` makes before it releases a step, and what the accountant records for it.
+
+Every check raises before any noise is drawn or any step counted: data the private loader did not
+draw, gradients without per-sample contributions (eval mode, unwrapped model), parameters another
+optimizer changed, several loader batches in one BandMF or truncated-sampling step, and a batch
+released after a later BandMF noise row. For BandMF, a release also says how many noise rows it
+advances: one per loader step since the last release, so each batch gets the row of its own step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from privacy_engine.training.step_contract import Release
+
+if TYPE_CHECKING:
+    from privacy_engine.clipping import PerSampleGradientClipper
+    from privacy_engine.noise import NoiseMechanism
+    from privacy_engine.training.step_contract import StepContract
+
+__all__ = ["ReleaseChecks"]
+
+
+class ReleaseChecks:
+    """``DPOptimizer``'s checks before a release (a mixin over its contract, clipper and noise)."""
+
+    _all_params: list[nn.Parameter]
+    _grad_marks: dict[int, tuple[int, int]]
+    accountant: Any | None
+    clipper: PerSampleGradientClipper
+    contract: StepContract
+    noise: NoiseMechanism
+    noise_multiplier: float
+    num_bands: int
+    sample_rate: float | None
+    source: str
+
+    def _accounting_kwargs(self, release: Release, rows: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "num_bands": self.num_bands,
+        }  # fmt: skip
+        if rows != 1:
+            kwargs["num_steps"] = rows
+        if self.source:
+            kwargs["source"] = self.source
+        if release.num_draws > 1:
+            kwargs["batches_per_step"] = release.num_draws
+        return kwargs
+
+    def _check_release(self, release: Release, params: list[nn.Parameter]) -> tuple[int, int | None]:
+        """Check what the step is about to release; return (noise rows to advance, loader step)."""
+        contract = self.contract
+        if release.untracked and contract.has_loader:
+            raise RuntimeError(
+                "this step would release gradients of data that the private loader did not draw (a forward on "
+                "tensors not yielded by the loader make_private returned): the accounting covers only the sampled "
+                "batches. Train on the private loader's batches."
+            )
+        if release.num_draws == 0 and not release.untracked and not self.clipper.has_accumulated:
+            stray = [i for i, p in enumerate(self._all_params) if p.requires_grad and self._has_stray_gradient(p)]
+            if stray:
+                raise RuntimeError(
+                    f"optimizer parameters {stray} have gradients from a backward pass that produced no per-sample "
+                    f"gradients: the model was in eval() mode, not the wrapped model returned by make_private, or "
+                    f"its hooks were removed. Nothing was released. Call model.train() on the wrapped model before "
+                    f"the forward (or zero_grad() to drop these gradients)."
+                )
+        contract.check_parameters_unchanged(params, where="optimizer.step()")
+        if release.num_draws > 1 and (self.num_bands > 1 or getattr(self.accountant, "max_batch_size", None)):
+            raise RuntimeError(
+                f"this step accumulated {release.num_draws} batches of the private loader: BandMF and truncated "
+                f"sampling release one batch per step. Use VirtualSteps (BatchMemoryManager) to split one batch "
+                f"into micro-batches instead."
+            )
+        loader_step = release.loader_step
+        if loader_step is None and release.num_draws == 0 and contract.has_loader:
+            unused = contract.take_unused_draw()  # a batch the loop skipped backward for (empty)
+            loader_step = None if unused is None else unused.loader_step
+        return self._noise_rows(loader_step), loader_step
+
+    def _noise_rows(self, loader_step: int | None) -> int:
+        """How many noise rows releasing the batch of ``loader_step`` advances: 1, except with BandMF,
+        where the rows of the loader steps never released since are drawn and discarded too."""
+        if self.num_bands <= 1 or loader_step is None:
+            return 1
+        next_row = self.noise.step  # BandMF rows taken so far (restored with the noise state on resume)
+        if loader_step < next_row:
+            raise RuntimeError(
+                f"the batch of loader step {loader_step} is released after noise row {next_row - 1} was used: "
+                f"BandMF ties each batch to the noise row of its own step, which must increase. Use batches in the "
+                f"order the loader yields them, each at most once."
+            )
+        return loader_step - next_row + 1
+
+    def _has_stray_gradient(self, param: nn.Parameter) -> bool:
+        grad = param.grad
+        if grad is None:
+            return False
+        if self._grad_marks.get(id(param)) == (id(grad), grad._version):
+            return False  # the private gradient this optimizer wrote (not zeroed since)
+        return bool(grad.detach().abs().sum() > 0)
