@@ -38,8 +38,8 @@ class NoisePlan:
     ``mechanism``: ``"gaussian"``, ``"bandmf"`` or ``"custom"`` (a ``NoiseMechanism`` passed in).
     ``coefficients``: the BandMF strategy ``(c_0, ..., c_{b-1})``, None otherwise.
     ``total_steps``: the steps the strategy was optimised for / the noise calibrated over (None
-    when neither applies). ``group_size`` and ``max_batch_size``: truncated sampling (largest group
-    and the cap), both None otherwise. ``candidates``: the band counts compared when ``num_bands``
+    when neither applies). ``group_size`` and ``max_batch_size``: truncated sampling (the realised
+    group size with the largest epsilon, see ``engine.truncation``, and the cap), both None otherwise. ``candidates``: the band counts compared when ``num_bands``
     was chosen automatically (empty otherwise), in increasing b.
     """
 

@@ -25,6 +25,7 @@ from accountants import Accountant
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import parameter_groups
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
+from privacy_engine.engine.truncation import worst_group_size
 from privacy_engine.engine.calibration import calibrate
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
@@ -274,16 +275,21 @@ def _noise_plan(options: PrivacyOptions, shape: LoaderShape, choice: NoiseChoice
     else:
         sample_rate, expected_batch_size = 1.0 / shape.loader_steps_per_epoch, float(shape.batch_size)
     group_size = None
-    if options.max_batch_size is not None:
-        # Accounted over the largest group: truncation's privacy analysis depends on the number
-        # of examples sampled from, and every group must be covered.
-        group_size = max(int(group.numel()) for group in private_loader.batch_sampler.groups)
     noise_multiplier, calibrated_steps = choice.noise_multiplier, None
     if options.target is not None:
         calibrated_steps = options.epochs * shape.accounted_steps_per_epoch
+    if options.max_batch_size is not None:
+        # Truncation's privacy depends on the number of examples sampled from, not monotonically:
+        # accounted at the realised group size with the largest epsilon (every group is covered).
+        group_size, noise_multiplier = worst_group_size(
+            (group.numel() for group in private_loader.batch_sampler.groups), accountant=accountant,
+            target=options.target, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
+            steps=calibrated_steps or choice.total_steps or len(private_loader), num_bands=choice.num_bands,
+            max_batch_size=options.max_batch_size, delta=options.target_delta,
+        )  # fmt: skip
+    elif options.target is not None:
         noise_multiplier = calibrate(accountant, options.target, sample_rate, calibrated_steps,
-                                     num_bands=choice.num_bands, group_size=group_size,
-                                     max_batch_size=options.max_batch_size)  # fmt: skip
+                                     num_bands=choice.num_bands, group_size=None, max_batch_size=None)  # fmt: skip
     # Validates what the accountant will be given, recording nothing.
     accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=choice.num_bands,
                     group_size=group_size, max_batch_size=options.max_batch_size)  # fmt: skip
