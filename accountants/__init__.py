@@ -11,7 +11,7 @@ here. `calibrate_noise_multiplier` finds the smallest noise multiplier for a tar
     accountant.get_epsilon(1e-5)  # <= 3.0
 """
 
-from accountants.base import Accountant, HistoryEntry
+from accountants.base import Accountant
 from accountants.calibration import CalibrationError, calibrate_noise_multiplier
 from accountants.events import (
     bandmf_event,
@@ -19,6 +19,7 @@ from accountants.events import (
     max_participations,
     truncated_bandmf_event,
 )
+from accountants.history import HistoryEntry
 from accountants.pld import PLDAccountant
 from accountants.rdp import RDPAccountant
 from accountants.registry import ACCOUNTANTS, make_accountant

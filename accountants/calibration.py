@@ -120,42 +120,63 @@ def calibrate_noise_multiplier(
         "target_epsilon", target_epsilon, low=0.0, low_open=True
     )
     target_delta = check_delta(target_delta, "target_delta")
+    mechanism = _mechanism(sample_rate, steps, num_bands, group_size, max_batch_size)
+    tolerance = check_real("tolerance", tolerance, low=0.0, high=0.1, low_open=True)
+    template = _resolve_accountant(accountant)
+    # Raises NotImplementedError (e.g. RDP + truncation) before any search work.
+    template.fresh().step(noise_multiplier=1.0, **{**mechanism, "num_steps": 0})
+
+    final = _EpsilonGap(template, mechanism, target_epsilon, target_delta)
+    participations = max_participations(mechanism["num_steps"], mechanism["num_bands"])
+    if (participations == 0 or mechanism["sample_rate"] == 0.0) and final.epsilon(0.0) <= target_epsilon:
+        return 0.0
+
+    log_sigma = math.log(
+        _initial_guess(target_epsilon, target_delta, mechanism["sample_rate"], participations)
+    )
+    return _search(_levels(final, participations), log_sigma, tolerance)
+
+
+# --------------------------------------------------------------------------- internals
+def _mechanism(
+    sample_rate: float, steps: int, num_bands: int, group_size: int | None, max_batch_size: int | None
+) -> dict[str, Any]:
+    """The validated `Accountant.step` keyword arguments (all but the noise multiplier)."""
     sample_rate = check_sample_rate(sample_rate)
     steps = check_int("steps", steps, low=0)
     num_bands = check_num_bands(num_bands)
     group_size, max_batch_size = check_truncation(group_size, max_batch_size)
-    tolerance = check_real("tolerance", tolerance, low=0.0, high=0.1, low_open=True)
-    template = _resolve_accountant(accountant)
-    mechanism = {
+    return {
         "sample_rate": sample_rate,
         "num_steps": steps,
         "num_bands": num_bands,
         "group_size": group_size,
         "max_batch_size": max_batch_size,
     }
-    # Raises NotImplementedError (e.g. RDP + truncation) before any search work.
-    template.fresh().step(noise_multiplier=1.0, **{**mechanism, "num_steps": 0})
 
-    final = _EpsilonGap(template, mechanism, target_epsilon, target_delta)
-    participations = max_participations(steps, num_bands)
-    if (participations == 0 or sample_rate == 0.0) and final.epsilon(
-        0.0
-    ) <= target_epsilon:
-        return 0.0
 
-    log_sigma = math.log(
-        _initial_guess(target_epsilon, target_delta, sample_rate, participations)
-    )
-    slope = -1.0
-    gaps = [
+def _levels(final: _EpsilonGap, participations: int) -> list[_EpsilonGap]:
+    """The gaps to search in turn: on the coarser PLD grids of `_coarse_grids` (none unless `final`
+    is a PLD accountant), then `final` itself."""
+    return [
         _EpsilonGap(
             PLDAccountant(value_discretization_interval=interval),
-            mechanism,
-            target_epsilon,
-            target_delta,
+            final.mechanism,
+            final.target_epsilon,
+            final.target_delta,
         )
-        for interval in _coarse_grids(template, target_epsilon, participations)
+        for interval in _coarse_grids(final.template, final.target_epsilon, participations)
     ] + [final]
+
+
+def _search(gaps: list[_EpsilonGap], log_sigma: float, tolerance: float) -> float:
+    """The smallest sigma found passing the last of `gaps` (the requested accountant), searching
+    each gap in turn from `log_sigma`: bracket on the first, refine on the later ones.
+
+    Guarantee: the returned sigma was evaluated on the last gap with epsilon <= target.
+    """
+    final = gaps[-1]
+    slope = -1.0
     try:
         # The first level starts from a rough guess and brackets; later ones start next to the root.
         _, log_sigma, slope = _solve(
@@ -165,7 +186,7 @@ def calibrate_noise_multiplier(
             # Land well inside the tolerance: the final level is meant to need a single evaluation.
             log_sigma, slope = _refine(gap, log_sigma, slope, tolerance / 4)
     except CalibrationError as error:
-        if not error.unreachable and final.epsilon(SIGMA_MIN) <= target_epsilon:
+        if not error.unreachable and final.epsilon(SIGMA_MIN) <= final.target_epsilon:
             # A loose target already met at the bottom of the search range: SIGMA_MIN satisfies it
             # (checked just now on the requested accountant), it is only not the tightest answer.
             return SIGMA_MIN
@@ -177,14 +198,13 @@ def calibrate_noise_multiplier(
     log_sigma, _ = _refine(final, log_sigma, slope, tolerance)
     # The guarantee: this exact float was evaluated on the requested accountant and passed.
     # (An explicit check rather than an assert, which `python -O` would strip.)
-    if not final.epsilons[log_sigma] <= target_epsilon:
+    if not final.epsilons[log_sigma] <= final.target_epsilon:
         raise RuntimeError(
             "internal error: calibration was about to return an unverified sigma"
         )
     return _sigma(log_sigma)
 
 
-# --------------------------------------------------------------------------- internals
 class _EpsilonGap:
     """log(epsilon(sigma)) - log(target) as a function of log(sigma), for one accountant setting.
 

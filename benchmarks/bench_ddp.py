@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,11 +42,55 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workloads import get_workload, time_interleaved
+from workloads import Workload, get_workload, time_interleaved
 
 from privacy_engine import PrivacyEngine
 
 GLOBAL_BATCH = 256
+
+
+def _step(workload: Workload, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x, y) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    workload.loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _private_step(workload: Workload, loader: DataLoader, mode: str, communication: list[float]) -> Callable[[], None]:
+    """A DP step function (hooks: materialised per-sample gradients; ghost: fast clipping) that appends
+    each step's time in the DP all-reduce to ``communication``."""
+    torch.manual_seed(0)
+    inner = workload.build_model()
+    made = PrivacyEngine().make_private(
+        module=DistributedDataParallel(inner), optimizer=torch.optim.SGD(inner.parameters(), lr=0.01),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, grad_sample_mode=mode,
+    )  # fmt: skip
+    model, optimizer, private_loader = made[0], made[1], made[-1]
+    job = optimizer.distributed_job
+    state = {"batches": iter(())}
+
+    def run() -> None:
+        try:
+            x, y = next(state["batches"])
+        except StopIteration:
+            state["batches"] = iter(private_loader)
+            x, y = next(state["batches"])
+        before = job.communication_seconds
+        _step(workload, model, optimizer, x, y)
+        communication.append(job.communication_seconds - before)
+
+    return run
+
+
+def _all_reduce_alone_seconds(flat: torch.Tensor, repeats: int) -> list[float]:
+    """The all-reduce alone (ranks aligned by a barrier first): the communication part of the DP
+    all-reduce time, the rest being the wait for the slower rank."""
+    alone = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        alone.append(time.perf_counter() - start)
+    return alone
 
 
 def run_rank(rank: int, world_size: int, workload_name: str, repeats: int, warmup: int, out: str) -> None:
@@ -68,55 +113,19 @@ def run_rank(rank: int, world_size: int, workload_name: str, repeats: int, warmu
     all_features, all_labels = workload.make_batch(GLOBAL_BATCH * 8, torch.Generator().manual_seed(100))
     loader = DataLoader(TensorDataset(all_features, all_labels), batch_size=GLOBAL_BATCH)
 
-    def step(model, optimizer, x, y):
-        optimizer.zero_grad(set_to_none=True)
-        workload.loss(model(x), y).backward()
-        optimizer.step()
-
-    def private_step(mode: str):
-        """A DP step function (hooks: materialised per-sample gradients; ghost: fast clipping)."""
-        torch.manual_seed(0)
-        inner = workload.build_model()
-        made = PrivacyEngine().make_private(
-            module=DistributedDataParallel(inner), optimizer=torch.optim.SGD(inner.parameters(), lr=0.01),
-            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, grad_sample_mode=mode,
-        )  # fmt: skip
-        model, optimizer, private_loader = made[0], made[1], made[-1]
-        job = optimizer.distributed_job
-        state = {"batches": iter(())}
-
-        def run() -> None:
-            try:
-                x, y = next(state["batches"])
-            except StopIteration:
-                state["batches"] = iter(private_loader)
-                x, y = next(state["batches"])
-            before = job.communication_seconds
-            step(model, optimizer, x, y)
-            communication[mode].append(job.communication_seconds - before)
-
-        return run
-
     communication: dict[str, list[float]] = {"hooks": [], "ghost": []}
     timings = time_interleaved(
         {
-            "plain": lambda: step(plain_model, plain_optimizer, features, labels),
-            "ddp": lambda: step(ddp_model, ddp_optimizer, features, labels),
-            "dp": private_step("hooks"),
-            "dp_ghost": private_step("ghost"),
+            "plain": lambda: _step(workload, plain_model, plain_optimizer, features, labels),
+            "ddp": lambda: _step(workload, ddp_model, ddp_optimizer, features, labels),
+            "dp": _private_step(workload, loader, "hooks", communication["hooks"]),
+            "dp_ghost": _private_step(workload, loader, "ghost", communication["ghost"]),
         },
         repeats=repeats,
         warmup=warmup,
     )
-    # The all-reduce alone (ranks aligned by a barrier first): the communication part of the DP
-    # all-reduce time above, the rest being the wait for the slower rank.
     flat = torch.zeros(sum(p.numel() for p in plain_model.parameters()))
-    alone = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flat)
-        alone.append(time.perf_counter() - start)
+    alone = _all_reduce_alone_seconds(flat, repeats)
     if rank == 0:
         skip = warmup + repeats  # the warm-up and settling calls (time_interleaved: 1 settle + 1 timed a round)
         result = {

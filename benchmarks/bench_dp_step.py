@@ -64,24 +64,27 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 import torch
 from workloads import (
-    MEMORY_CHILD_ENV,
     WORKLOADS,
     Workload,
     get_workload,
     peak_memory_increase,
+    peak_mib_in_children,
     reference_matmul_ms,
-    run_python_json,
+    render_table,
+    runnable_variants,
     time_interleaved,
+    training_step,
+    versions,
 )
 
 import grad_samplers.registry as sampler_registry
-import privacy_engine.ghost_clipping as ghost_clipping_module
+import privacy_engine.clipping.ghost.attention as ghost_clipping_module
 from accountants import RDPAccountant
 from privacy_engine import GradSampleModule
-from privacy_engine.ghost_clipping import GhostClippingModule
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.noise import BandMFNoise, GaussianNoise
-from privacy_engine.optimizer import DPOptimizer
-from privacy_engine.strategy import optimize_banded_toeplitz
+from privacy_engine.noise.strategy import optimize_banded_toeplitz
+from privacy_engine.training.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
@@ -119,13 +122,7 @@ def build(workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable 
     sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
     if variant == "plain":
-
-        def step() -> None:
-            loss_fn(model(inputs), targets).backward()
-            sgd.step()
-            sgd.zero_grad(set_to_none=True)
-
-        return Built(step=step, model=model, optimizer=sgd)
+        return Built(step=training_step(model, sgd, loss_fn, (inputs,), targets), model=model, optimizer=sgd)
 
     if variant in OURS:
         if variant == "ghost-bandmf4":
@@ -145,12 +142,7 @@ def build(workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable 
             wrapped = GradSampleModule(model)
         else:
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
-
-        def step() -> None:
-            loss_fn(wrapped(inputs), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = training_step(wrapped, optimizer, loss_fn, (inputs,), targets)
         return Built(step=step, model=model, wrapped=wrapped, optimizer=optimizer)
 
     if variant in ("opacus-hooks", "opacus-ghost"):
@@ -341,7 +333,7 @@ def format_time_table(rows: list[dict], variants: list[str]) -> str:
                 _cell(mib, 1),
                 "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}",
             ])  # fmt: skip
-    return _render(lines)
+    return render_table(lines)
 
 
 def format_profile_table(profiles: dict[str, dict[str, float]], plain_ms: float) -> str:
@@ -352,14 +344,7 @@ def format_profile_table(profiles: dict[str, dict[str, float]], plain_ms: float)
         if phase != "step total" and all(v < 0.005 for v in values):
             continue
         lines.append([phase, *(f"{v:.2f}" for v in values), *(f"{100 * v / plain_ms:.1f}" for v in values)])
-    return _render(lines)
-
-
-def _render(lines: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
-    rendered.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(rendered)
+    return render_table(lines)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -399,6 +384,23 @@ def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats
     return result
 
 
+def print_profile(
+    workload: Workload, variants: list[str], *, threads: int, clock_name: str, quick: bool
+) -> dict[str, dict[str, float]]:
+    """Profile plain and our variants among ``variants`` (``profile_variant``), print the table and
+    return the profiles. ``clock_name`` "auto": the main thread's CPU time with 1 thread, else wall."""
+    profile_steps = 15 if quick else 40
+    ours = ["plain", *(v for v in variants if v in OURS)]
+    if clock_name == "auto":
+        clock_name = "thread" if threads == 1 else "wall"
+    clock = {"thread": time.thread_time, "process": time.process_time, "wall": time.perf_counter}[clock_name]
+    profiles = {v: profile_variant(workload, v, steps=profile_steps, warmup=3, clock=clock) for v in ours}
+    print(f"\nprofile: {workload.description}, {threads} thread(s), median {clock_name} ms per step "
+          f"over {profile_steps} steps (exclusive times; the medians need not add up to the total)")  # fmt: skip
+    print(format_profile_table(profiles, profiles["plain"]["step total"]), flush=True)
+    return profiles
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run; numbers are noisy)")
@@ -428,12 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = args.runs or (1 if args.quick else 3)
     repeats = args.repeats or (5 if args.quick else 15)
     warmup = 2 if args.quick else 3
-    variants = [v for v in args.variants if opacus is not None or not v.startswith("opacus")]
-    if "plain" not in variants:
-        variants.insert(0, "plain")
+    variants = runnable_variants(args.variants, opacus_installed=opacus is not None)
     print(
-        f"torch {torch.__version__}"
-        + (f", opacus {opacus.__version__}" if opacus is not None else ", opacus not installed")
+        versions(opacus)
         + f"; {runs} run(s) x {repeats} interleaved rounds (medians over runs of per-run medians); load average "
         + ", ".join(f"{load:.1f}" for load in os.getloadavg())
         + f"; 1024^3 matmul {reference_matmul_ms():.1f} ms",
@@ -450,29 +449,17 @@ def main(argv: list[str] | None = None) -> None:
                 times = measure_times(workload, variants, runs=runs, repeats=repeats, warmup=warmup)
             memory: dict[str, float] = {}
             if not args.no_memory:
-                for variant in variants:
-                    child = [os.path.abspath(__file__), "--memory-child", name, variant, str(threads)]
-                    child += ["--quick"] if args.quick else []
-                    memory[variant] = run_python_json(child, env=MEMORY_CHILD_ENV)["peak_bytes"] / 2**20
+                after = [str(threads)] + (["--quick"] if args.quick else [])
+                memory = peak_mib_in_children(variants, [os.path.abspath(__file__), "--memory-child", name], after)
             if not args.profile_only:
                 rows.append({"workload": workload.description, "threads": threads, "times": times, "mem_mib": memory})
                 print(f"  done {name} @ {threads} thread(s): "
                       + ", ".join(f"{v} {t['wall_ms']:.1f} ms ({t['wall_ratio']:.2f}x)" for v, t in times.items()),
                       flush=True)  # fmt: skip
             if args.profile:
-                profile_steps = 15 if args.quick else 40
-                ours = ["plain", *(v for v in variants if v in OURS)]
-                clock_name = args.profile_clock
-                if clock_name == "auto":
-                    clock_name = "thread" if threads == 1 else "wall"
-                clock = {"thread": time.thread_time, "process": time.process_time, "wall": time.perf_counter}[
-                    clock_name
-                ]
-                profiles = {v: profile_variant(workload, v, steps=profile_steps, warmup=3, clock=clock) for v in ours}
-                profiles_out[f"{name}@{threads}"] = profiles
-                print(f"\nprofile: {workload.description}, {threads} thread(s), median {clock_name} ms per step "
-                      f"over {profile_steps} steps (exclusive times; the medians need not add up to the total)")  # fmt: skip
-                print(format_profile_table(profiles, profiles["plain"]["step total"]), flush=True)
+                profiles_out[f"{name}@{threads}"] = print_profile(
+                    workload, variants, threads=threads, clock_name=args.profile_clock, quick=args.quick
+                )
             if args.op_profile:
                 for variant in ("plain", "ghost"):
                     print(f"\ntorch.profiler, {name}, {variant}, {threads} thread(s):")

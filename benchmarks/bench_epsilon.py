@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from accountants import PLDAccountant, _pld_ops
 from accountants import pld as pld_module
-from privacy_engine.budget import PrivacyBudget, PrivacyBudgetExceeded
+from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
 
 DELTA = 1e-5
 STEP = {"noise_multiplier": 1.0, "sample_rate": 0.01}

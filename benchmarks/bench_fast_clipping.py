@@ -42,23 +42,26 @@ for _path in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _path)
 
 import torch
-from torch import nn
 from workloads import (
-    MEMORY_CHILD_ENV,
     WORKLOADS,
     Workload,
     get_workload,
+    opacus_step,
     peak_memory_increase,
-    run_python_json,
+    peak_mib_in_children,
+    render_table,
+    runnable_variants,
+    set_threads,
     time_interleaved,
-    use_all_cores,
+    training_step,
+    versions,
 )
 
 from privacy_engine import GradSampleModule
-from privacy_engine.clipper import PerSampleGradientClipper
-from privacy_engine.ghost_clipping import GhostClippingModule
+from privacy_engine.clipping import PerSampleGradientClipper
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.noise import GaussianNoise
-from privacy_engine.optimizer import DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
@@ -67,7 +70,6 @@ VARIANTS = ("plain", "ghost-clip", "ghost-dp", "materialised-dp", "opacus-hooks"
 
 try:
     import opacus
-    from opacus import PrivacyEngine as OpacusPrivacyEngine
     from opacus.validators import ModuleValidator
 except ImportError:  # our rows still run without Opacus
     opacus = None
@@ -82,13 +84,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
     sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
     if variant == "plain":
-
-        def step() -> None:
-            loss_fn(model(inputs), targets).backward()
-            sgd.step()
-            sgd.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(model, sgd, loss_fn, (inputs,), targets)
 
     if variant == "ghost-clip":
         clipper = PerSampleGradientClipper(list(model.parameters()), MAX_GRAD_NORM)
@@ -114,13 +110,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
         else:
             wrapped = GradSampleModule(model)
-
-        def step() -> None:
-            loss_fn(wrapped(inputs), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(wrapped, optimizer, loss_fn, (inputs,), targets)
 
     if variant in ("opacus-hooks", "opacus-ghost"):
         if opacus is None:
@@ -128,34 +118,10 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
         if ModuleValidator.validate(model, strict=False):
             model = ModuleValidator.fix(model)  # nn.MultiheadAttention -> DPMultiheadAttention
             sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-        loader = torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(inputs, targets), batch_size=workload.batch_size
-        )
-        engine = OpacusPrivacyEngine(accountant="rdp")
-        if variant == "opacus-hooks":
-            wrapped, optimizer, _ = engine.make_private(
-                module=model, optimizer=sgd, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
-                max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False, grad_sample_mode="hooks",
-            )  # fmt: skip
-
-            def step() -> None:
-                loss_fn(wrapped(inputs), targets).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            return step
-        wrapped, optimizer, criterion, _ = engine.make_private(
-            module=model, optimizer=sgd, data_loader=loader, criterion=nn.CrossEntropyLoss(),
-            noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False,
-            grad_sample_mode="ghost",
+        return opacus_step(
+            model, sgd, (inputs,), targets, mode=variant.removeprefix("opacus-"), loss_fn=loss_fn,
+            batch_size=workload.batch_size, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
         )  # fmt: skip
-
-        def step() -> None:
-            criterion(wrapped(inputs), targets).backward()  # both backward passes
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
 
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
@@ -174,21 +140,11 @@ def format_table(rows: list[dict], variants: list[str]) -> str:
                 cells += ["-", "-"] if value is None else [f"{value:.1f}", f"{value / plain[key]:.2f}"]
             cells += ["-" if mib is None else f"{mib:.1f}", "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}"]
             lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
-    rendered.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(rendered)
-
-
-def _set_threads(threads: int | None) -> int:
-    if threads is None:
-        return use_all_cores()
-    torch.set_num_threads(threads)
-    return threads
+    return render_table(lines)
 
 
 def _memory_child(workload_name: str, variant: str, steps: int, threads: int | None) -> None:
-    _set_threads(threads)
+    set_threads(threads)
     warnings.simplefilter("ignore")
     step = make_step(get_workload(workload_name), variant)
     print(json.dumps({"peak_bytes": peak_memory_increase(step, steps=steps, warmup=2)}))
@@ -210,16 +166,13 @@ def main(argv: list[str] | None = None) -> None:
         _memory_child(*args.memory_child, steps=memory_steps, threads=args.threads)
         return
 
-    cores = _set_threads(args.threads)
+    cores = set_threads(args.threads)
     warnings.simplefilter("ignore")  # Opacus's notices (secure RNG, full backward hooks)
     repeats = args.repeats or (5 if args.quick else 21)
     warmup = 2 if args.quick else 3
-    variants = [v for v in args.variants if opacus is not None or not v.startswith("opacus")]
-    if "plain" not in variants:
-        variants.insert(0, "plain")
+    variants = runnable_variants(args.variants, opacus_installed=opacus is not None)
     print(
-        f"torch {torch.__version__}, {cores} threads"
-        + (f", opacus {opacus.__version__}" if opacus is not None else ", opacus not installed")
+        versions(opacus, threads=cores)
         + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds; load average "
         + ", ".join(f"{load:.1f}" for load in os.getloadavg()),
         flush=True,
@@ -235,11 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         del steps
         memory: dict[str, float] = {}
         if not args.no_memory:
-            for variant in variants:
-                child_args = [os.path.abspath(__file__), "--memory-child", name, variant]
-                child_args += (["--quick"] if args.quick else []) + ([f"--threads={args.threads}"] if args.threads else [])
-                result = run_python_json(child_args, env=MEMORY_CHILD_ENV)
-                memory[variant] = result["peak_bytes"] / 2**20
+            after = (["--quick"] if args.quick else []) + ([f"--threads={args.threads}"] if args.threads else [])
+            memory = peak_mib_in_children(variants, [os.path.abspath(__file__), "--memory-child", name], after)
         rows.append({"workload": workload.description, "times": timings, "mem_mib": memory})
         print(f"  done {name}: " + ", ".join(f"{v} {t['wall_ms']:.1f} ms" for v, t in timings.items()), flush=True)
     print()

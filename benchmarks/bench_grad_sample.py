@@ -40,20 +40,22 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 import torch
 from workloads import (
-    MEMORY_CHILD_ENV,
     WORKLOADS,
     Timing,
     Workload,
     get_workload,
     peak_memory_increase,
+    peak_mib_in_children,
     reference_matmul_ms,
-    run_python_json,
+    runnable_variants,
     time_interleaved,
+    training_step,
     use_all_cores,
+    versions,
 )
 
 from privacy_engine import GradSampleModule
-from privacy_engine.optimizer import DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
 NOISE_MULTIPLIER = 1.0
@@ -74,6 +76,22 @@ def opacus_available() -> bool:
 
 
 # ---------------------------------------------------------------------------------- variants
+def _step_then_clear(
+    wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> Callable[[], None]:  # fmt: skip
+    """A training step of a per-sample-gradient module that ends with the module's own zero_grad: a
+    DPOptimizer's zero_grad drops grad_sample too, but in the psg rows nothing consumed them."""
+
+    def step() -> None:
+        loss_fn(wrapped(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        wrapped.zero_grad(set_to_none=True)
+
+    return step
+
+
 def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[], None]:
     """A closure running one training step of ``variant`` on a fixed batch of ``workload``."""
     torch.manual_seed(seed)
@@ -82,14 +100,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
     loss_fn = workload.loss
 
     if variant == "plain":
-        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-
-        def step() -> None:
-            loss_fn(model(inputs), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), loss_fn, (inputs,), targets)
 
     if variant in ("ours-psg", "ours-dp"):
         wrapped = GradSampleModule(model, loss_reduction="mean")
@@ -103,14 +114,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
                 loss_reduction="mean",
                 noise_seed=seed,
             )
-
-        def step() -> None:
-            loss_fn(wrapped(inputs), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            wrapped.zero_grad(set_to_none=True)  # drops grad_sample (ours-psg: nothing consumed it)
-
-        return step
+        return _step_then_clear(wrapped, optimizer, loss_fn, inputs, targets)
 
     if variant in ("opacus-psg", "opacus-dp"):
         if opacus is None:
@@ -129,15 +133,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
                 expected_batch_size=workload.batch_size,
                 loss_reduction="mean",
             )
-
-        def step() -> None:
-            loss_fn(wrapped(inputs), targets).backward()
-            optimizer.step()
-            # DPOptimizer.zero_grad drops grad_sample too; for psg the module's zero_grad does.
-            optimizer.zero_grad(set_to_none=True)
-            wrapped.zero_grad(set_to_none=True)
-
-        return step
+        return _step_then_clear(wrapped, optimizer, loss_fn, inputs, targets)
 
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
@@ -216,12 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")  # Opacus's full-backward-hook notice and similar
     repeats = args.repeats or (5 if args.quick else 20)
     warmup = 2 if args.quick else 3
-    variants = [v for v in VARIANTS if v in args.variants and (opacus_available() or not v.startswith("opacus"))]
-    if "plain" not in variants:
-        variants.insert(0, "plain")  # every ratio needs it
+    variants = runnable_variants([v for v in VARIANTS if v in args.variants], opacus_installed=opacus_available())
     print(
-        f"torch {torch.__version__}, {cores} threads"
-        + (f", opacus {opacus.__version__}" if opacus_available() else ", opacus not installed (its columns left out)")
+        versions(opacus, threads=cores, missing="not installed (its columns left out)")
         + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds",
         flush=True,
     )
@@ -235,12 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         del steps
         memory: dict[str, float] = {}
         if not args.no_memory:
-            for variant in variants:
-                result = run_python_json(
-                    [os.path.abspath(__file__), "--memory-child", name, variant] + (["--quick"] if args.quick else []),
-                    env=MEMORY_CHILD_ENV,
-                )
-                memory[variant] = result["peak_bytes"] / 2**20
+            after = ["--quick"] if args.quick else []
+            memory = peak_mib_in_children(variants, [os.path.abspath(__file__), "--memory-child", name], after)
         rows.append(
             {
                 "name": SHORT_NAMES[name],

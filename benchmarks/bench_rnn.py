@@ -44,11 +44,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
-from workloads import reference_matmul_ms, time_interleaved, use_all_cores
+from workloads import (
+    opacus_step,
+    reference_matmul_ms,
+    render_table,
+    runnable_variants,
+    set_threads,
+    time_interleaved,
+    training_step,
+    versions,
+)
 
 from privacy_engine import GhostClippingModule, GradSampleModule
 from privacy_engine.noise import GaussianNoise
-from privacy_engine.optimizer import DPOptimizer
+from privacy_engine.training.optimizer import DPOptimizer
 
 VOCABULARY, EMBEDDING, HIDDEN, LAYERS, CLASSES = 128, 64, 128, 2, 18
 SEQUENCE_LENGTH, BATCH_SIZE = 50, 32
@@ -57,7 +66,6 @@ VARIANTS = ("plain", "ours-hooks", "ours-ghost", "opacus-hooks", "opacus-ghost")
 
 try:
     import opacus
-    from opacus import PrivacyEngine as OpacusPrivacyEngine
     from opacus.layers import DPLSTM as OpacusDPLSTM
 except ImportError:  # our rows still run without Opacus
     opacus = None
@@ -99,15 +107,10 @@ def make_step(variant: str, *, packed: bool, seed: int = 0) -> Callable[[], None
     else:
         model = CharLSTM(nn.LSTM(EMBEDDING, HIDDEN, num_layers=LAYERS, batch_first=True))
     sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    inputs = (tokens, call_lengths)
 
     if variant == "plain":
-
-        def step() -> None:
-            F.cross_entropy(model(tokens, call_lengths), labels).backward()
-            sgd.step()
-            sgd.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(model, sgd, F.cross_entropy, inputs, labels)
 
     if variant in ("ours-hooks", "ours-ghost"):
         optimizer = DPOptimizer(
@@ -118,41 +121,13 @@ def make_step(variant: str, *, packed: bool, seed: int = 0) -> Callable[[], None
             wrapped = GradSampleModule(model)
         else:
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
-
-        def step() -> None:
-            F.cross_entropy(wrapped(tokens, call_lengths), labels).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
+        return training_step(wrapped, optimizer, F.cross_entropy, inputs, labels)
 
     if variant in ("opacus-hooks", "opacus-ghost"):
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=BATCH_SIZE)
-        engine = OpacusPrivacyEngine(accountant="rdp")
-        if variant == "opacus-hooks":
-            wrapped, optimizer, _ = engine.make_private(
-                module=model, optimizer=sgd, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
-                max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False, grad_sample_mode="hooks",
-            )  # fmt: skip
-
-            def step() -> None:
-                F.cross_entropy(wrapped(tokens, call_lengths), labels).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            return step
-        wrapped, optimizer, criterion, _ = engine.make_private(
-            module=model, optimizer=sgd, data_loader=loader, criterion=nn.CrossEntropyLoss(),
-            noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False,
-            grad_sample_mode="ghost",
+        return opacus_step(
+            model, sgd, inputs, labels, mode=variant.removeprefix("opacus-"), loss_fn=F.cross_entropy,
+            batch_size=BATCH_SIZE, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
         )  # fmt: skip
-
-        def step() -> None:
-            criterion(wrapped(tokens, call_lengths), labels).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
 
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
@@ -175,10 +150,7 @@ def format_table(rows: list[tuple[str, str, dict | None]]) -> str:
             f"{timing['cpu_ms']:.1f}",
             f"{timing['cpu_ms'] / plain['cpu_ms']:.2f}",
         ])  # fmt: skip
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
-    rendered.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(rendered)
+    return render_table(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,21 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15, quick 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     args = parser.parse_args(argv)
-    if args.threads is None:
-        cores = use_all_cores()
-    else:
-        torch.set_num_threads(args.threads)
-        cores = args.threads
+    cores = set_threads(args.threads)
     warnings.simplefilter("ignore")  # Opacus's notices (secure RNG, full backward hooks)
     repeats = args.repeats or (3 if args.quick else 15)
     warmup = 1 if args.quick else 3
-    variants = [v for v in args.variants if opacus is not None or not v.startswith("opacus")]
-    if "plain" not in variants:
-        variants.insert(0, "plain")
+    variants = runnable_variants(args.variants, opacus_installed=opacus is not None)
     before_ms = reference_matmul_ms()
     print(
-        f"torch {torch.__version__}, {cores} threads"
-        + (f", opacus {opacus.__version__}" if opacus is not None else ", opacus not installed")
+        versions(opacus, threads=cores)
         + f"; median of {repeats} interleaved rounds after {warmup} warm-up rounds; 1024^3 matmul {before_ms:.1f} ms",
         flush=True,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from privacy_engine.strategy import optimize_banded_toeplitz, strategy_loss
+from privacy_engine.noise.strategy import optimize_banded_toeplitz, strategy_loss
 
 CASES = [(128, 4), (1024, 16), (1000, 64)]
 KNOWN = {(128, 4): 19.045234, (1024, 16): 40.231028}

@@ -370,6 +370,86 @@ def run_python_json(args: Sequence[str], *, env: Mapping[str, str] | None = None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# ---------------------------------------------------------------------------------- script scaffolding
+def set_threads(threads: int | None) -> int:
+    """Use ``threads`` torch threads (None: every core, ``use_all_cores``); return the number used."""
+    if threads is None:
+        return use_all_cores()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def runnable_variants(requested: Sequence[str], *, opacus_installed: bool) -> list[str]:
+    """``requested`` without the Opacus variants when Opacus is missing, and with ``plain`` first when
+    it was left out (every ratio needs it)."""
+    variants = [v for v in requested if opacus_installed or not v.startswith("opacus")]
+    if "plain" not in variants:
+        variants.insert(0, "plain")
+    return variants
+
+
+def versions(opacus_module: object | None, *, threads: int | None = None, missing: str = "not installed") -> str:
+    """``torch X[, N threads], opacus Y`` (or ``opacus <missing>``): the start of a benchmark's header."""
+    text = f"torch {torch.__version__}" + (f", {threads} threads" if threads is not None else "")
+    return text + (f", opacus {opacus_module.__version__}" if opacus_module is not None else f", opacus {missing}")
+
+
+def peak_mib_in_children(variants: Sequence[str], before: list[str], after: list[str]) -> dict[str, float]:
+    """Each variant's peak memory growth in MiB, measured by ``python *before variant *after`` in a
+    fresh process (``MEMORY_CHILD_ENV``) that prints ``{"peak_bytes": ...}`` last."""
+    return {
+        variant: run_python_json([*before, variant, *after], env=MEMORY_CHILD_ENV)["peak_bytes"] / 2**20
+        for variant in variants
+    }
+
+
+def training_step(
+    module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, inputs: tuple, targets: torch.Tensor
+) -> Callable[[], None]:
+    """A closure running one step on a fixed batch: ``loss_fn(module(*inputs), targets)``, backward,
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)`` (methods looked up at each call, so
+    a profiler may patch them afterwards)."""
+
+    def step() -> None:
+        loss_fn(module(*inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def opacus_step(
+    model: nn.Module, sgd: torch.optim.Optimizer, inputs: tuple, targets: torch.Tensor, *, mode: str,
+    loss_fn: Callable, batch_size: int, noise_multiplier: float, max_grad_norm: float,
+) -> Callable[[], None]:  # fmt: skip
+    """One Opacus 1.6 DP-SGD step of ``model`` on a fixed batch (``make_private`` without Poisson
+    sampling): ``mode`` "hooks", or "ghost" (its criterion wrapper: two backward passes; the loss is
+    its cross-entropy, not ``loss_fn``). The loader is built on ``inputs[0]`` and ``targets``."""
+    from opacus import PrivacyEngine as OpacusPrivacyEngine
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs[0], targets), batch_size=batch_size)
+    engine = OpacusPrivacyEngine(accountant="rdp")
+    settings = {"module": model, "optimizer": sgd, "data_loader": loader, "noise_multiplier": noise_multiplier,
+                "max_grad_norm": max_grad_norm, "poisson_sampling": False}  # fmt: skip
+    if mode == "hooks":
+        wrapped, optimizer, _ = engine.make_private(**settings, grad_sample_mode="hooks")
+        return training_step(wrapped, optimizer, loss_fn, inputs, targets)
+    if mode != "ghost":
+        raise ValueError(f"unknown Opacus mode {mode!r}; choose 'hooks' or 'ghost'")
+    wrapped, optimizer, criterion, _ = engine.make_private(
+        **settings, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost"
+    )
+    return training_step(wrapped, optimizer, criterion, inputs, targets)  # both backward passes
+
+
+def render_table(lines: list[list[str]]) -> str:
+    """Rows of cells as a text table: columns padded to their widest cell, a rule under the header."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    rendered = [" | ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in lines]
+    rendered.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(rendered)
+
+
 __all__ = [
     "MEMORY_CHILD_ENV",
     "WORKLOADS",
@@ -381,10 +461,17 @@ __all__ = [
     "build_transformer",
     "get_workload",
     "median_time",
+    "opacus_step",
     "peak_memory_increase",
+    "peak_mib_in_children",
     "reference_matmul_ms",
+    "render_table",
     "run_python_json",
+    "runnable_variants",
+    "set_threads",
     "synchronize",
     "time_interleaved",
+    "training_step",
     "use_all_cores",
+    "versions",
 ]
