@@ -25,10 +25,10 @@ from accountants import Accountant
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import parameter_groups
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
-from privacy_engine.engine.truncation import worst_group_size
 from privacy_engine.engine.calibration import calibrate
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
+from privacy_engine.engine.truncation import worst_group_size
 from privacy_engine.models.validation import UnsupportedModuleError, find_problems
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
 from privacy_engine.noise.secure_random import SecureGenerator

@@ -46,7 +46,7 @@ def worst_group_size(
     if target is not None:
         sigmas = {
             size: calibrate(accountant, target, sample_rate, steps, num_bands=num_bands, group_size=size,
-                            max_batch_size=max_batch_size)  # fmt: skip
+                            max_batch_size=max_batch_size)
             for size in distinct
         }
         worst = max(distinct, key=lambda size: (sigmas[size], size))
@@ -57,7 +57,7 @@ def worst_group_size(
     epsilons = {
         size: accountant.fresh().epsilon_if(choice_delta, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
                                             num_steps=steps, num_bands=num_bands, group_size=size,
-                                            max_batch_size=max_batch_size)  # fmt: skip
+                                            max_batch_size=max_batch_size)
         for size in distinct
     }
     return max(distinct, key=lambda size: (epsilons[size], size)), noise_multiplier
