@@ -89,7 +89,8 @@ class PrivacyEngine:
         or, for BandMF with ``b`` bands, cyclic Poisson sampling from group ``t mod b`` with
         ``p = b * batch_size / len(dataset)``, which the accountant composes ``ceil(steps / b)``
         times (the amplified BandMF event); with ``max_batch_size``, as truncated Poisson sampling
-        from the largest group (dp-accounting's ``TruncatedSubsampledGaussianDpEvent``).
+        from the group size with the largest epsilon (dp-accounting's ``TruncatedSubsampledGaussianDpEvent``;
+        see ``engine.truncation``).
         ``engine.noise_plan`` says what was set up (and ``engine.num_bands`` the bands).
 
         ==========================================  =============================================
