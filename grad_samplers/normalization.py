@@ -89,10 +89,19 @@ def normalization_grad_sample(
     unbatched input                 ValueError (no example axis)
     ==============================  =================================================
     """
+    return _affine_per_example(layer, activations, backprops, magnitudes=False)
+
+
+def _affine_per_example(layer: _NormLayer, activations, backprops: torch.Tensor, *, magnitudes: bool) -> dict:
+    """``sum(G * x_hat)`` (weight) and ``sum(G)`` (bias) per example; ``magnitudes``: of ``|G|`` and ``|x_hat|``."""
     weight, bias = trainable_weight_and_bias(layer)
     inputs, backprops = _inputs_and_grads(activations, backprops)
-    weight_grads = None if weight is None else _per_example_sum(layer, backprops * _normalized_input(layer, inputs))
-    bias_grads = None if bias is None else _per_example_sum(layer, backprops)
+    grads = backprops.abs() if magnitudes else backprops
+    weight_grads = None
+    if weight is not None:
+        normalized = _normalized_input(layer, inputs)
+        weight_grads = _per_example_sum(layer, grads * (normalized.abs() if magnitudes else normalized))
+    bias_grads = None if bias is None else _per_example_sum(layer, grads)
     return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
 
 
@@ -131,12 +140,7 @@ def normalization_term_scale(
     """Each example's L2 norm ``(B,)`` of ``sum |G * x_hat|`` (weight) and ``sum |G|`` (bias): the size of the
     terms a per-sample gradient adds up, for the first-backward check's rounding tolerance (a loss whose
     output gradient is constant over a normalised axis makes ``sum G * x_hat`` cancel to rounding)."""
-    weight, bias = trainable_weight_and_bias(layer)
-    inputs, backprops = _inputs_and_grads(activations, backprops)
-    magnitudes = backprops.abs()
-    weight_terms = None if weight is None else _per_example_sum(layer, magnitudes * _normalized_input(layer, inputs).abs())
-    bias_terms = None if bias is None else _per_example_sum(layer, magnitudes)
-    sums = keyed_by_parameter(((weight, weight_terms), (bias, bias_terms)))
+    sums = _affine_per_example(layer, activations, backprops, magnitudes=True)
     return {param: terms.flatten(1).norm(dim=1) for param, terms in sums.items()}
 
 

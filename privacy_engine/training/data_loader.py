@@ -117,6 +117,30 @@ def _expected_batch_size(loader: DataLoader) -> int:
     return int(loader.batch_size)
 
 
+def cyclic_sampling_of(loader: DataLoader, num_groups: int) -> tuple[int, int, float, torch.Tensor | None]:
+    """``(num_samples, num_groups, sample_rate, indices)`` of cyclic Poisson sampling in ``num_groups``
+    groups over what ``loader`` draws from, at the rate that keeps its expected batch size
+    (``batch_size * num_groups / population``). Raises ValueError naming num_groups (more groups than
+    examples) or the batch size (a rate above 1) before anything is built."""
+    num_samples = _sized_dataset_length(loader)
+    batch_size = _expected_batch_size(loader)
+    num_groups = _positive_int(num_groups, "num_groups")
+    indices = loader_index_set(loader)
+    population = num_samples if indices is None else int(indices.numel())
+    if num_groups > population:
+        raise ValueError(
+            f"num_groups={num_groups} exceeds the {population} examples the loader draws from: use at most "
+            "as many groups as examples"
+        )
+    if batch_size * num_groups > population:
+        raise ValueError(
+            f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds the {population} examples "
+            f"the loader draws from: each group has only ~{population // num_groups} examples, so the "
+            "per-group sample rate would exceed 1; lower batch_size or num_groups"
+        )
+    return num_samples, num_groups, batch_size * num_groups / population, indices
+
+
 def loader_index_set(loader: DataLoader) -> torch.Tensor | None:
     """The examples ``loader`` draws from, for Poisson sampling to stay within them: None for the
     whole dataset (a plain, shuffled or sequential loader), the sampler's indices for a
@@ -300,26 +324,11 @@ class DPDataLoader(DataLoader):
         batch_size * num_groups > N   ValueError (p would exceed 1)
         ============================  ===========================================
         """
-        num_samples = _sized_dataset_length(loader)
-        batch_size = _expected_batch_size(loader)
-        num_groups = _positive_int(num_groups, "num_groups")
-        indices = loader_index_set(loader)
-        population = num_samples if indices is None else int(indices.numel())
-        if num_groups > population:
-            raise ValueError(
-                f"num_groups={num_groups} exceeds the {population} examples the loader draws from: use at most "
-                "as many groups as examples"
-            )
-        if batch_size * num_groups > population:
-            raise ValueError(
-                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds the {population} examples "
-                f"the loader draws from: each group has only ~{population // num_groups} examples, so the "
-                "per-group sample rate would exceed 1; lower batch_size or num_groups"
-            )
+        num_samples, num_groups, rate, indices = cyclic_sampling_of(loader, num_groups)
         sampler = CyclicPoissonBatchSampler(
             num_samples,
             num_groups,
-            batch_size * num_groups / population,
+            rate,
             steps=steps,
             public_size=public_size,
             generator=generator,

@@ -31,12 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from privacy_engine.noise.secure_random import secure_uniform
-from privacy_engine.training.data_loader import (
-    DPDataLoader,
-    _expected_batch_size,
-    _sized_dataset_length,
-    loader_index_set,
-)
+from privacy_engine.training.data_loader import DPDataLoader, cyclic_sampling_of
 from privacy_engine.training.sampling import (
     _DPBatchSampler,
     _positive_int,
@@ -350,20 +345,11 @@ class DistributedDPDataLoader(DPDataLoader):
         ============================  ===========================================
         dataset has no __len__        TypeError naming loader.dataset
         loader.batch_size None        ValueError naming loader.batch_size
+        num_groups > len(dataset)     ValueError naming num_groups
         batch_size * num_groups > N   ValueError (the rate would exceed 1)
         ============================  ===========================================
         """
-        num_samples = _sized_dataset_length(loader)
-        batch_size = _expected_batch_size(loader)
-        num_groups = _positive_int(num_groups, "num_groups")
-        indices = loader_index_set(loader)
-        population = num_samples if indices is None else int(indices.numel())
-        if batch_size * num_groups > population:
-            raise ValueError(
-                f"loader.batch_size * num_groups = {batch_size} * {num_groups} exceeds the {population} examples the "
-                "loader draws from: the sample rate would exceed 1; lower batch_size or num_groups"
-            )
-        rate = batch_size * num_groups / population
+        num_samples, num_groups, rate, indices = cyclic_sampling_of(loader, num_groups)
         if num_groups == 1 and max_batch_size is None:
             sampler: _DPBatchSampler = DistributedPoissonBatchSampler(
                 num_samples, rate, rank=rank, world_size=world_size, seed=seed, steps=steps, indices=indices,

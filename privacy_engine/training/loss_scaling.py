@@ -75,13 +75,15 @@ class LossScaling:
         and keep the scale from growing (see ``attach_grad_scaler``): the scaler's own overflow flags
         were computed from gradients before privacy."""
         scaler = self.clipper.grad_scaler
-        overflow = 0.0 if all(bool(torch.isfinite(g).all()) for g in released) else 1.0
+        scale = scaler._scale
+        # One flag on the scale's device, computed there (no host sync): 1 if any released entry is not finite.
+        finite = [torch.isfinite(g).all().to(scale.device) for g in released]
+        overflow = (~torch.stack(finite).all()).float() if finite else torch.zeros((), device=scale.device)
         flags = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
         for found_inf in flags.values():
-            found_inf.fill_(overflow)
+            found_inf.copy_(overflow)
         if not flags:  # no .grad was there to check (fast clipping writes .grad only at the step)
-            scale = scaler._scale
-            flags[scale.device] = torch.full((), overflow, dtype=torch.float32, device=scale.device)
+            flags[scale.device] = overflow.to(torch.float32)
         tracker = getattr(scaler, "_growth_tracker", None)
         if tracker is not None:
             # update() grows the scale once the count of clean steps reaches growth_interval: a count this
