@@ -12,6 +12,7 @@ from privacy_engine.clipping import ClippingConfig, ClippingStats, PerSampleGrad
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
 from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
+from privacy_engine.losses import per_example_token_cross_entropy
 from privacy_engine.models.fixer import FixReport, ModuleValidator, fix_module
 from privacy_engine.models.validation import UnsupportedModuleError
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
@@ -50,5 +51,6 @@ __all__ = [
     "fix_module",
     "move_to",
     "parameter_groups",
+    "per_example_token_cross_entropy",
     "per_sample_gradients",
 ]

@@ -246,6 +246,31 @@ def mismatch(rank: int) -> dict:
     return {"error": None}
 
 
+def reordered(rank: int) -> dict:
+    """Rank 1 holds the same examples as rank 0, in another order (it shuffled its copy)."""
+    model = mlp()
+    data = IndexedData(40, 5)
+    if rank == 1:
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(5))
+        data.features, data.labels = data.features[order], data.labels[order]
+    try:
+        PrivacyEngine().make_private(
+            module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0,
+        )
+    except DistributedSettingsError as error:
+        result = {"error": str(error), "hooked": any(len(m._forward_hooks) > 0 for m in model.modules())}
+    else:
+        result = {"error": None}
+    from privacy_engine.training.distributed import distributed_data_loader  # Opacus's hand-built loader
+
+    try:
+        distributed_data_loader(DataLoader(data, batch_size=10))
+    except DistributedSettingsError as error:
+        result["hand_built_error"] = str(error)
+    return result
+
+
 def checkpoint(rank: int, out: Path) -> dict:
     """Save from rank 0 after 2 steps, run 3 more, resume everyone from the file, run the 3 again."""
     model = mlp()
@@ -368,6 +393,7 @@ def main() -> None:
         ("virtual", lambda: virtual(rank)), ("opacus_names", lambda: opacus_names(rank)),
         ("noisy", lambda: noisy(rank)), ("sampling", lambda: sampling(rank)), ("bandmf", lambda: bandmf(rank)),
         ("truncated", lambda: truncated(rank)), ("mismatch", lambda: mismatch(rank)),
+        ("reordered", lambda: reordered(rank)),
         ("checkpoint", lambda: checkpoint(rank, out)), ("fsdp2", lambda: fsdp2(rank)),
         ("unwrapped", lambda: unwrapped_warns(rank)), ("alias", lambda: alias(rank)),
         ("stalled", lambda: stalled(rank)), ("crashed", lambda: crashed(rank)),

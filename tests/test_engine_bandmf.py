@@ -111,11 +111,13 @@ def test_truncated_epsilon_is_dp_accountings_truncated_event_over_the_worst_grou
     # Groups are assigned independently per example (add/remove adjacency), so sizes vary around 42 / 4.
     assert sum(len(group) for group in loader.batch_sampler.groups) == 42
     # The accounted size is the one with the largest epsilon (chosen over the planned 18 steps), which
-    # need not be the largest size: truncation's epsilon is not monotone in the group size.
+    # need not be the largest size: truncation's epsilon is not monotone in the group size. Candidates are
+    # |g| (an example removed) and |g| + 1 (an example added joins a group of |g|).
+    candidates = sorted(set(sizes) | {n + 1 for n in sizes})
     planned = {n: dp_accounting_epsilon("pld", amplified_event(1.0, loader.sample_rate, 18, 4, group_size=n,
-                                                                max_batch_size=6)) for n in sizes}  # fmt: skip
+                                                                max_batch_size=6)) for n in candidates}  # fmt: skip
     chosen = engine.noise_plan.group_size
-    assert chosen in sizes and planned[chosen] == max(planned.values())
+    assert chosen in candidates and planned[chosen] == max(planned.values())
     event = amplified_event(1.0, loader.sample_rate, steps, 4, group_size=chosen, max_batch_size=6)
     assert engine.get_epsilon(DELTA) == pytest.approx(dp_accounting_epsilon("pld", event), rel=1e-9)
 
@@ -127,15 +129,16 @@ def test_the_worst_group_size_is_not_the_largest_where_truncation_costs_most_in_
     sizes, steps = (50, 100, 200), 20
     size, sigma = worst_group_size(sizes, accountant=fast_pld(), target=None, noise_multiplier=1.0, sample_rate=0.1,
                                    steps=steps, num_bands=1, max_batch_size=8, delta=DELTA)  # fmt: skip
+    candidates = sorted(set(sizes) | {n + 1 for n in sizes})  # |g| and |g| + 1 (an added example's group)
     reference = {n: dp_accounting_epsilon("pld", amplified_event(1.0, 0.1, steps, 1, group_size=n, max_batch_size=8))
-                 for n in sizes}  # fmt: skip
+                 for n in candidates}  # fmt: skip
     assert sigma == 1.0 and reference[size] == max(reference.values())
-    assert size != max(sizes)
+    assert size < max(sizes)
     # With a target, sigma is the largest calibrated one: the target holds for every size.
     size, sigma = worst_group_size(sizes, accountant=fast_pld(), target=(8.0, DELTA), noise_multiplier=0.0,
                                    sample_rate=0.1, steps=steps, num_bands=1, max_batch_size=8, delta=None)  # fmt: skip
     epsilons = [dp_accounting_epsilon("pld", amplified_event(sigma, 0.1, steps, 1, group_size=n, max_batch_size=8))
-                for n in sizes]  # fmt: skip
+                for n in candidates]  # fmt: skip
     assert max(epsilons) <= 8.0 and max(epsilons) > 8.0 * 0.97
 
 
@@ -148,8 +151,10 @@ def test_make_private_with_epsilon_calibrates_bandmf_within_the_target(max_batch
         max_grad_norm=1.0, noise_mechanism="bandmf", num_bands=2, max_batch_size=max_batch_size,
     )  # fmt: skip
     sigma, steps = private_optimizer.noise_multiplier, 3 * len(loader)
-    sizes = [None] if max_batch_size is None else sorted({len(g) for g in private_loader.batch_sampler.groups})
-    # Every group is within the target (truncation: sigma is calibrated for the worst size).
+    sizes = [None] if max_batch_size is None else sorted({len(g) + extra for g in private_loader.batch_sampler.groups
+                                                          for extra in (0, 1)})  # fmt: skip
+    # Every group, with an example removed or added, is within the target (truncation: sigma is
+    # calibrated for the worst size).
     epsilons = [dp_accounting_epsilon("pld", amplified_event(sigma, private_loader.sample_rate, steps, 2, group_size=n,
                                                              max_batch_size=max_batch_size)) for n in sizes]  # fmt: skip
     assert 2.0 * 0.97 < max(epsilons) <= 2.0
@@ -312,9 +317,9 @@ def test_resuming_from_a_checkpoint_continues_the_bandmf_noise_sequence(tmp_path
     # The rest of the run, fed identically to every run below: only the noise can differ.
     later_batches = [next(batches) for _ in range(3)]
 
-    def last_steps(run_model, run_optimizer):
+    def last_steps(run_model, run_optimizer, run_batches):
         grads = []
-        for inputs, targets in later_batches:
+        for inputs, targets in run_batches:
             run_optimizer.zero_grad()
             nn.functional.cross_entropy(run_model(inputs), targets).backward()
             run_optimizer.step()
@@ -322,29 +327,37 @@ def test_resuming_from_a_checkpoint_continues_the_bandmf_noise_sequence(tmp_path
         return grads
 
     resumed_engine = PrivacyEngine(accountant="rdp")
-    resumed_model, resumed_optimizer, resumed_loader = bandmf(resumed_engine, make_setup(seed=3), noise_seed=99,
+    def other_setup():  # another initialisation (the checkpoint restores it), the same examples
+        return (*make_setup(seed=3)[:2], make_setup()[2])
+
+    resumed_model, resumed_optimizer, resumed_loader = bandmf(resumed_engine, other_setup(), noise_seed=99,
                                                               **settings)  # fmt: skip
     resumed_engine.load_checkpoint(path=tmp_path / "run.pt", module=resumed_model, optimizer=resumed_optimizer,
                                    data_loader=resumed_loader)  # fmt: skip
-    other_model, other_optimizer, _ = bandmf(PrivacyEngine(accountant="rdp"), make_setup(seed=3), noise_seed=99,
-                                             **settings)  # fmt: skip
+    other_model, other_optimizer, other_loader = bandmf(PrivacyEngine(accountant="rdp"), other_setup(),
+                                                        noise_seed=99, **settings)  # fmt: skip
     other_model.load_state_dict(resumed_model.state_dict())  # same weights, but the noise state not restored
+    other_loader.load_state_dict(resumed_loader.state_dict())  # and the same batches
+    # Each optimizer releases only its own loader's batches: the restored samplers draw the same ones.
+    resumed_batches = [batch for batch, _ in zip(resumed_loader, range(3))]
+    other_batches = [batch for batch, _ in zip(other_loader, range(3))]
+    for mine, theirs, other in zip(later_batches, resumed_batches, other_batches):
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(mine, theirs, other))
 
-    expected = last_steps(model, optimizer)
-    for step_grads, resumed_grads in zip(expected, last_steps(resumed_model, resumed_optimizer)):
+    expected = last_steps(model, optimizer, later_batches)
+    for step_grads, resumed_grads in zip(expected, last_steps(resumed_model, resumed_optimizer, resumed_batches)):
         for a, b in zip(step_grads, resumed_grads):
             assert torch.equal(a, b)
-    assert not torch.equal(last_steps(other_model, other_optimizer)[0][0], expected[0][0])
+    assert not torch.equal(last_steps(other_model, other_optimizer, other_batches)[0][0], expected[0][0])
     assert resumed_engine.get_epsilon(DELTA) == engine.get_epsilon(DELTA)
     # Sampling resumes with the same groups at step 5 (group 5 mod 4), keeping participations b apart.
     for saved_group, resumed_group in zip(loader.batch_sampler.groups, resumed_loader.batch_sampler.groups):
         assert torch.equal(saved_group, resumed_group)
     features = loader.dataset.tensors[0]
     group = set(loader.batch_sampler.groups[5 % 4].tolist())
-    for inputs, _ in resumed_loader:
-        rows = [i for i in range(len(features)) if any(torch.equal(features[i], x) for x in inputs)]
-        assert set(rows) <= group
-        break
+    inputs = resumed_batches[0][0]  # the resumed loader's first batch: step 5
+    rows = [i for i in range(len(features)) if any(torch.equal(features[i], x) for x in inputs)]
+    assert set(rows) <= group
 
 
 # ---------------------------------------------------------------------------- refused before wrapping

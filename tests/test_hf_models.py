@@ -3,9 +3,10 @@
 Each HF model is built from a tiny config (no download), in float64 with dropout off, and called as
 ``model(input_ids=..., attention_mask=..., labels=...)``: HF then looks position embeddings up with
 ``position_ids`` of shape ``(1, T)`` (a layer output shared by the whole batch). The reference is the
-per-example loop of ``conftest``: example ``i`` alone through a copy of the model, with the loss it
-contributes to the batch loss scaled by the batch size (``num_items_in_batch`` makes HF divide an LM
-loss by the batch's token count, as the batch loss does).
+per-example loop of ``conftest``: example ``i`` alone through a copy of the model, with the loss the model
+computes on that batch of one. The wrapped model's ``.loss`` is per-example by construction
+(``privacy_engine.integrations.hf_losses``), so its per-sample gradients must equal it; the coupled batch
+loss (a token mean over the whole batch) would not.
 """
 
 from __future__ import annotations
@@ -294,23 +295,14 @@ def _family(name: str):
 
 
 def _hf_reference(model: nn.Module, batch: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """Each example alone, with the loss it contributes to the batch loss times the batch size."""
-    reference = copy.deepcopy(model)
-    trainable = [(name, p) for name, p in reference.named_parameters() if p.requires_grad]
-    stacks: dict[str, list[torch.Tensor]] = {name: [] for name, _ in trainable}
-    if kind == "causal_lm":
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
-    for i in range(BATCH):
-        reference.zero_grad(set_to_none=True)
-        example = {key: value[i : i + 1] for key, value in batch.items()}
-        if kind == "causal_lm":
-            loss = reference(**example, num_items_in_batch=tokens).loss * BATCH
-        else:
-            loss = reference(**example).loss  # the mean over one example: its own term times B
-        loss.backward()
-        for name, param in trainable:
-            stacks[name].append(torch.zeros_like(param) if param.grad is None else param.grad.clone())
-    return {name: torch.stack(grads) for name, grads in stacks.items()}
+    """Each example alone through a copy of the model, its loss the one HF computes on a batch of one.
+
+    That is the definition of a per-example loss (issue 18): not the example's share of the batch loss, whose
+    token mean couples every example to the others' lengths."""
+    first, *rest = batch  # the model's first positional argument (input_ids / pixel_values)
+    return per_example_reference(
+        model, [batch[first]], lambda out, i: out.loss, kwargs={name: batch[name] for name in rest}
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -487,8 +487,14 @@ def one_ahead(loader):
         yield current
 
 
+def one_ahead_copied(loader):
+    """A prefetcher that copies each batch ahead of its use (as ``.to(device, non_blocking=True)`` does)."""
+    for x, y in one_ahead(loader):
+        yield x.clone(), y.clone()
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
-@pytest.mark.parametrize("loop", [one_ahead, list], ids=["prefetch", "list"])
+@pytest.mark.parametrize("loop", [one_ahead, list, one_ahead_copied], ids=["prefetch", "list", "prefetch-copied"])
 def test_each_batch_is_clipped_with_its_own_padding_mask_whatever_the_iteration_order(mode, loop):
     torch.manual_seed(0)
     plain = truncated_run(mode, lambda loader: loader)
@@ -500,19 +506,23 @@ def test_each_batch_is_clipped_with_its_own_padding_mask_whatever_the_iteration_
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-def test_copied_prefetched_batches_that_cannot_be_matched_raise():
-    # batch_size 8 of 40 capped at 4: most batches are truncated, and the padded ones differ in padding
+def test_a_copy_of_a_batch_yielded_long_before_is_refused_and_move_to_keeps_its_tag():
+    # batch_size 4 of 40 capped at 6: the padded batches differ in padding. The old rule matched an untagged
+    # copy to the oldest queued batch of its size; a copy is now recognised only by its values, and only
+    # among the loader's last RECENT_BATCHES batches.
     engine, model, wrapped, optimizer, loader = private(max_batch_size=6, batch_size=4)
     iterator = iter(loader)
     first = next(iterator)
     queued = [next(iterator) for _ in range(6)]
-    masks = [t.padding_mask for t in loader.tickets]
-    assert any(not torch.equal(masks[0], m) for m in masks[1:]), "the seed should give two padding patterns"
-    x = first[0].clone()  # a copy (as .to(device) makes): no tag
-    with pytest.raises(RuntimeError, match="cannot tell which batch"):
-        wrapped(x)
+    loss_of(wrapped, first[0].clone(), first[1]).backward()  # a copy (as .to(device) makes): no tag
+    with pytest.raises(RuntimeError, match=r"privacy_engine\.move_to"):
+        optimizer.step()
+    assert engine.accountant.steps == 0
+    optimizer.zero_grad()
     moved = move_to(queued[0], "cpu", copy=True)  # the tag-keeping copy works
     loss_of(wrapped, *moved).backward()
+    optimizer.step()
+    assert engine.accountant.steps == 1
 
 
 # ------------------------------------------------------------------ 11 several optimizers on one engine

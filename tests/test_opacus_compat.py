@@ -113,9 +113,10 @@ def test_make_private_on_a_returned_loader_keeps_its_examples_and_rate():
 def test_opacus_from_data_loader_on_a_private_loader_and_its_sample_rate():
     loader = DataLoader(make_data(60), batch_size=16)
     private = DPDataLoader.from_data_loader(loader, distributed=False)
-    # The engine's rate is batch_size / N; Opacus's would be 1 / len(loader) = 1 / 4 (documented).
-    assert private.sample_rate == 16 / 60
-    assert DPDataLoader.from_data_loader(private).sample_rate == 16 / 60
+    # Opacus's rate, 1 / len(loader) = 1 / 4 (not the engine's 16 / 60): a hook given 1 / len(loader), as
+    # Opacus's examples write it, records the rate sampled (issue 18).
+    assert private.sample_rate == 1 / len(loader) == 1 / len(private) == 0.25
+    assert DPDataLoader.from_data_loader(private).sample_rate == 0.25
     with pytest.raises(ValueError, match="rand_on_empty"):
         DPDataLoader.from_data_loader(loader, rand_on_empty=True)
     exact = DPDataLoader(make_data(60), sample_rate=0.25)

@@ -153,8 +153,9 @@ def test_every_released_step_is_recorded_including_an_empty_batch():
         optimizer.step()
         assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), "noise was skipped"
     optimizer.zero_grad()
-    optimizer.step()  # no backward at all: still a released (pure-noise) step
-    assert accountant.steps == 4 == optimizer.steps_taken
+    with pytest.raises(RuntimeError, match="without a new batch"):
+        optimizer.step()  # no forward, no backward since the last step: refused, nothing counted
+    assert accountant.steps == 3 == optimizer.steps_taken
     assert accountant.history[0].noise_multiplier == 1.0 and accountant.history[0].sample_rate == 0.25
 
 

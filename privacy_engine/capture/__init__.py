@@ -10,6 +10,8 @@ file                   what it holds
 ``batch_size.py``      the batch size of a forward; outputs shared by every example
 ``step_binding.py``    the wrapper's side of the step contract (which batch, which pass)
 ``usage_check.py``     the first-backward check (``ParameterUsageError``)
+``independence.py``    examples must not interact: buffers written, the first-step row check
+``loss_coupling.py``   losses that couple examples, seen while computed (first step)
 ``manual.py``          ``ManualGradSampleModule``: the loop sets ``grad_sample`` itself
 ``common.py``          what every wrapper shares (loss reductions, errors, key prefix)
 =====================  ================================================================

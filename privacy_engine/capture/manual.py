@@ -28,8 +28,9 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
     Guarantee (conditional on the loop): the privacy of a step holds if, before ``step()``, every
     trainable parameter ``p`` holds ``p.grad_sample`` of shape ``(batch, *p.shape)`` whose row ``i``
     is the gradient of example ``i``'s own loss only (one row per example the sampler drew, the
-    same examples in the same order for every parameter). The wrapper cannot check this: a row that
-    mixes examples breaks the guarantee silently. ``GradSampleModule`` computes these rows exactly;
+    same examples in the same order for every parameter). The number of rows is checked against the
+    batch of the last training forward (the step raises otherwise); what a row holds cannot be: a row
+    that mixes examples breaks the guarantee silently. ``GradSampleModule`` computes these rows exactly;
     use this mode only when the loop must compute them itself.
 
     =================================  ============================================
@@ -39,6 +40,8 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
     loop sets no grad_sample           the step adds noise alone (like an empty batch)
     grad_sample set, no training       the optimizer refuses the step (the rows are tied
     forward on a loader batch          to no batch the private loader drew)
+    grad_sample rows != examples of    ``RuntimeError`` at ``step()``, before anything is
+    the last training forward's batch  clipped, released or counted
     rows scaled by 1/B (mean loss)     wrong: rows must be per-example gradients
     zero_grad()                        clears .grad and grad_sample
     state_dict()                       the module's own keys (no ``_module.``)
@@ -69,9 +72,10 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
     def forward(self, *args, **kwargs):
         output = self._module(*args, **kwargs)
         if self._consumer is not None and self.training and torch.is_grad_enabled():
-            batch_size = _batch_size(args, kwargs, 0 if self.batch_first else 1)
+            batch_dim = 0 if self.batch_first else 1
+            batch_size = _batch_size(args, kwargs, batch_dim)
             if batch_size is not None:
-                self._ticket = self._consumer.contract.resolve(args, kwargs, batch_size)
+                self._ticket = self._consumer.contract.resolve(args, kwargs, batch_size, batch_dim=batch_dim)
         return output
 
     # ------------------------------------------------------------------ the step contract
@@ -85,7 +89,9 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
         ticket = self._ticket
         if self._consumer is None or ticket is None:
             return
-        if any(getattr(p, "grad_sample", None) is not None for p in self._module.parameters() if p.requires_grad):
+        trainable = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+        if any(getattr(p, "grad_sample", None) is not None for _, p in trainable):
+            _check_rows(trainable, ticket)
             self._ticket = None
             self._consumer.accumulate_pass(ticket)
 
@@ -95,6 +101,23 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
             if hasattr(param, "grad_sample"):
                 del param.grad_sample
         return self._module
+
+
+def _check_rows(trainable: list[tuple[str, nn.Parameter]], ticket: Any) -> None:
+    """Raise, before anything is clipped, unless every ``grad_sample`` the loop set has one row per
+    example of the batch of the last training forward (``ticket``): a row more would be a second
+    contribution of some example, clipped on its own and released beside the first."""
+    rows = ticket.num_rows
+    for name, param in trainable:
+        grad_sample = getattr(param, "grad_sample", None)
+        if grad_sample is not None and (grad_sample.dim() == 0 or grad_sample.shape[0] != rows):
+            found = "a 0-dim tensor" if grad_sample.dim() == 0 else f"{grad_sample.shape[0]} rows"
+            raise RuntimeError(
+                f"parameter {name!r} has grad_sample with {found}, but the last training forward ran on a batch "
+                f"of {rows} examples: grad_sample_mode='no_op' needs one row per example of that batch (row i the "
+                f"gradient of example i's own loss). Nothing was released or counted. Compute the per-sample "
+                f"gradients over exactly the batch given to the model."
+            )
 
 
 def _batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:

@@ -15,7 +15,8 @@ Per-sample gradients add up: over several calls of a module in one forward, over
 parameter (tied embeddings), and over several backward passes until ``clear_grad_sample()``.
 
 The other pieces of the wrapper, one file each: the batch size of a forward (``capture.batch_size``),
-the step contract (``capture.step_binding``), the first-backward check (``capture.usage_check``).
+the step contract (``capture.step_binding``), the first-backward check (``capture.usage_check``), the
+independence of the examples (``capture.independence``, ``capture.loss_coupling``).
 Fast clipping (``privacy_engine.clipping.ghost``) subclasses this wrapper; this module never imports it.
 """
 
@@ -34,8 +35,10 @@ from privacy_engine.capture.batch_size import BatchSizeTracking
 from privacy_engine.capture.common import HOOKED_MODULES, LOSS_REDUCTIONS, ParameterUsageError, WrappedModuleAccess
 from privacy_engine.capture.fallback_bridge import FallbackBridge
 from privacy_engine.capture.hooks import LayerHooks
+from privacy_engine.capture.independence import IndependenceGuard
 from privacy_engine.capture.step_binding import StepContractBinding
 from privacy_engine.capture.usage_check import UsageCheck
+from privacy_engine.integrations.hf_losses import install_per_example_losses
 from privacy_engine.models.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
 from privacy_engine.training.step_contract import forget_wrapper, register_wrapper
 
@@ -64,6 +67,9 @@ class GradSampleModule(
     wrapper in eval / ``no_grad``   nothing captured, nothing kept
     a layer in eval, wrapper train  captured as usual (BatchNorm with frozen statistics)
     BatchNorm in training mode      ``UnsupportedModuleError`` (use GroupNorm)
+    examples interacting: batch     ``InteractingExamplesError`` before the output is
+    statistics, a buffer written,   returned or, for the loss, before backward
+    a coupled loss (first step)     (``capture.independence``, ``capture.loss_coupling``)
     Embedding max_norm / sparse     ``UnsupportedModuleError``
     a layer's output has 1 example  shared by every example (position embeddings with
     in a forward of B examples      ``position_ids`` (1, T)): expanded to B, exact
@@ -137,6 +143,7 @@ class GradSampleModule(
         self._forward_single: str | None = None  # first layer left at batch 1 while no batch was known
         self._forward_broadcast: tuple[str, int] | None = None  # first layer expanded to the batch
         self._reset_usage_check_state()
+        self._independence = IndependenceGuard(module, batch_dim=self._batch_dim, strict=strict)
         try:
             for path, layer, sampler in self._plan(module):
                 self._attach(path, layer, sampler)
@@ -144,6 +151,8 @@ class GradSampleModule(
         except BaseException:
             self._detach()
             raise
+        # Hugging Face models called with labels= through this wrapper return per-example losses (issue 18).
+        self._hf_losses = install_per_example_losses(module, loss_reduction=loss_reduction, is_active=self._forwarding)
         register_wrapper(self)
 
     # ------------------------------------------------------------------ wrapping
@@ -197,7 +206,10 @@ class GradSampleModule(
         self._released = True
         forget_wrapper(self)
         self._consumer = None
+        self._independence.end_loss_monitor()
         self._detach()
+        if self._hf_losses is not None:
+            self._hf_losses.remove()
         for param in self._module.parameters():
             if hasattr(param, "grad_sample"):
                 del param.grad_sample
@@ -210,9 +222,16 @@ class GradSampleModule(
                 "this GradSampleModule was unwrapped by to_standard_module(); call the returned module, "
                 "or wrap it again for per-sample gradients"
             )
+        self._independence.end_loss_monitor()
         for path, batchnorm in self._batchnorms:
             if batchnorm.training and torch.is_grad_enabled() and self.strict:
                 raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
+        # Examples must not interact (capture.independence): buffers written, batch statistics, coupled losses.
+        # Only a wrapper bound to a private optimizer releases anything; an unbound one is a per-sample
+        # gradient tool and keeps its forward count and side effects.
+        bound = self._consumer is not None and self.training and torch.is_grad_enabled()
+        if bound:
+            self._independence.before_training_forward()
         if self._check_state != "done":
             if self.training and torch.is_grad_enabled():
                 self._arm_usage_check()
@@ -222,7 +241,6 @@ class GradSampleModule(
                 self._finish_usage_check()
                 self._check_state = "pending"
         self._forward_batch = None
-        bound = self._consumer is not None and self.training and torch.is_grad_enabled()
         if bound:
             self._before_bound_forward()
         self._in_forward = True
@@ -231,10 +249,14 @@ class GradSampleModule(
         finally:
             self._in_forward = False
         if bound:
+            self._independence.after_training_forward(self, args, kwargs, output)
             self._after_bound_forward(args, kwargs)
         return output
 
     # ------------------------------------------------------------------ utilities
+    def _forwarding(self) -> bool:
+        return self._in_forward
+
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
 

@@ -39,7 +39,8 @@ class StepContractBinding:
         if batch_size is None:
             return  # nothing trainable ran (every layer frozen): no per-sample gradients to tie
         previous = self._forward_ticket
-        ticket = contract.resolve(args, kwargs, batch_size, join_pending=self._awaiting_backward)
+        ticket = contract.resolve(args, kwargs, batch_size, batch_dim=self._batch_dim,
+                                  join_pending=self._awaiting_backward)  # fmt: skip
         self._awaiting_backward = ticket.tracked
         self._check_second_pass(ticket)
         if previous is not None and not ticket.same_rows(previous):

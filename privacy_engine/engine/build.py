@@ -16,6 +16,7 @@ from privacy_engine.engine.plan import Plan
 from privacy_engine.training import distributed
 from privacy_engine.training.data_loader import DPDataLoader
 from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.sampling import ShuffledBatches
 
 __all__ = ["private_optimizer", "wrap_model"]
 
@@ -41,7 +42,8 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     if not sampled:
         warnings.warn(
             "poisson_sampling=False: batches are the loader's own (shuffled, fixed size), but the accountant "
-            "treats them as Poisson samples with rate 1/len(loader); the reported epsilon is an approximation"
+            "treats them as Poisson samples with rate 1/len(loader) (k batches in one step: rate k/len(loader)); "
+            "the reported epsilon is an approximation"
         )
     optimizer = DPOptimizer(
         plan.optimizer,
@@ -57,6 +59,9 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
         per_user_clipping=False,
         budget=budget,
     )
+    if not sampled:
+        # The loader's own fixed-size batches: a release of k of them is k disjoint draws of one epoch.
+        optimizer.shuffled_batches = ShuffledBatches(batch_size=int(loader.batch_size), batches_per_epoch=len(loader))
     if plan.distributed is not None:
         # Noise drawn on rank 0, then one all-reduce of clipped sums + noise per global step.
         distributed.configure(optimizer, plan.distributed)

@@ -89,8 +89,11 @@ class PrivacyEngine:
         or, for BandMF with ``b`` bands, cyclic Poisson sampling from group ``t mod b`` with
         ``p = b * batch_size / len(dataset)``, which the accountant composes ``ceil(steps / b)``
         times (the amplified BandMF event); with ``max_batch_size``, as truncated Poisson sampling
-        from the group size with the largest epsilon (dp-accounting's ``TruncatedSubsampledGaussianDpEvent``;
-        see ``engine.truncation``).
+        from the group size with the largest epsilon among every realised size ``|g|`` and ``|g| + 1``
+        (an added example's group; dp-accounting's ``TruncatedSubsampledGaussianDpEvent``; see
+        ``engine.truncation``). With ``poisson_sampling=False``, a step of ``k`` of the loader's
+        batches is accounted at ``min(1, k / len(loader))`` and divided by ``k * batch_size``
+        (``training.sampling.ShuffledBatches``).
         ``engine.noise_plan`` says what was set up (and ``engine.num_bands`` the bands).
 
         ==========================================  =============================================
@@ -241,11 +244,20 @@ class PrivacyEngine:
         restore it; changes nothing. See ``checkpoint.check_engine_state``."""
         checkpoint.check_engine_state(self, state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, optimizer: DPOptimizer | None = None) -> None:
         """Restore ``state_dict()``: the accountant's history and the noise plan. Everything is
-        checked first (``check_state_dict``); on an error nothing changes."""
+        checked first (``check_state_dict``); on an error nothing changes.
+
+        Guarantee: no step of a private optimizer other than ``optimizer`` is removed from the ledger.
+        With one optimizer on the engine the saved ledger replaces the current one (resume, rollback);
+        with several, only ``optimizer``'s entries are replaced by the saved ones and every other
+        optimizer keeps the longer of its current and saved histories (none given: every optimizer
+        does, nothing is rolled back). See ``checkpoint.ledger_after_restore``."""
         plan = checkpoint.check_engine_state(self, state)
-        self.accountant.load_state_dict(state["accountant"])
+        restored_source = None if optimizer is None else str(optimizer.source)
+        self.accountant.load_state_dict(
+            checkpoint.ledger_after_restore(self, state["accountant"], restored_source=restored_source)
+        )
         if plan is not None:
             self.noise_plan = plan
 

@@ -6,6 +6,13 @@ monotonically: with q = 0.1, a cap of 8, sigma = 1 and 100 participations, dp-ac
 expected batch is near the cap). Cyclic groups are assigned independently per example, so their sizes
 differ; every example must be covered, so the step is accounted at the size whose epsilon is the
 largest, not at the largest size.
+
+Which sizes. dp-accounting's ``dataset_size`` is the number of examples sampled from *including* the
+example whose privacy is measured (its truncation probability is over the ``dataset_size - 1`` others).
+Under add/remove adjacency the run is on D: an example removed from D was one of its group's ``|g|``
+members, and an example added to D joins a group that then has ``|g| + 1`` members. So the candidates are
+``|g|`` and ``|g| + 1`` for every realised size ``|g|`` (with q = 0.08, a cap of 8, sigma 1 and 400 steps,
+epsilon is 18.9951 at |g| = 106 and 19.0774 at 107).
 """
 
 from __future__ import annotations
@@ -27,22 +34,31 @@ def worst_group_size(
 ) -> tuple[int, float]:  # fmt: skip
     """``(group_size, noise_multiplier)`` to account every step with, over the realised group ``sizes``.
 
+    The candidates are every realised size ``|g|`` (an example removed from D) and ``|g| + 1`` (an
+    example added to D joins a group of ``|g|``): see the module docstring.
+
     Guarantee: with a ``target``, the noise multiplier is the largest of the ones calibrated for each
-    size (so the target holds for an example of any group), and the size is the one that needed it.
-    Without, the size is the one with the largest epsilon after ``steps`` steps at ``delta``: then the
-    reported epsilon covers every group at that delta. Records nothing on ``accountant``.
+    candidate (so the target holds for an example removed from or added to any group), and the size is
+    the one that needed it. Without, the size is the candidate with the largest epsilon after ``steps``
+    steps at ``delta``: then the reported epsilon covers every group and both directions of adjacency at
+    that delta. Records nothing on ``accountant``.
 
     ============================  ===================================================
     case                          result
     ============================  ===================================================
-    one distinct size             that size, no epsilon computed
+    one distinct size s           candidates s and s + 1 (two epsilons computed)
+    sizes empty                   ValueError (there is no group to account for)
     target given                  one (cached) calibration per distinct size
     no target, ``delta`` None     the choice is made at ``DEFAULT_CHOICE_DELTA``
     other deltas asked later      epsilon of the chosen size (the order of sizes can
                                   differ between deltas; sizes differ by a few %)
     ============================  ===================================================
     """
-    distinct = sorted({int(size) for size in sizes})
+    realised = {int(size) for size in sizes}
+    if not realised:
+        raise ValueError("worst_group_size needs the realised group sizes; got none")
+    # |g| (the removed example's group in D) and |g| + 1 (an added example's group in D').
+    distinct = sorted(realised | {size + 1 for size in realised})
     if target is not None:
         sigmas = {
             size: calibrate(accountant, target, sample_rate, steps, num_bands=num_bands, group_size=size,
@@ -51,8 +67,6 @@ def worst_group_size(
         }
         worst = max(distinct, key=lambda size: (sigmas[size], size))
         return worst, sigmas[worst]
-    if len(distinct) == 1:
-        return distinct[0], noise_multiplier
     choice_delta = DEFAULT_CHOICE_DELTA if delta is None else delta
     epsilons = {
         size: accountant.fresh().epsilon_if(choice_delta, noise_multiplier=noise_multiplier, sample_rate=sample_rate,

@@ -13,15 +13,28 @@ leaves the rest of ``Trainer`` (collators, schedulers, evaluation, saving, callb
   optimizer step;
 - the model is wrapped (``GradSampleModule``, hooks or ghost mode); ``trainer.model`` stays the user's model
   (saving, evaluation and ``generate`` see no wrapper), ``trainer.private_model`` is the wrapper;
-- every log line gets ``epsilon`` (at ``target_delta``); ``trainer.get_epsilon()`` gives it at any time.
+- every log line gets ``epsilon`` (at ``target_delta``); ``trainer.get_epsilon()`` gives it at any time;
+- the training loss is per-example: each example's loss is normalised by its own labelled-token count and the
+  batch loss is the mean over examples (``privacy_engine.integrations.hf_losses``, installed by the wrapper).
+  Trainer's ``num_items_in_batch`` (a token count over the whole batch, which makes every example's gradient
+  depend on the others' lengths) is never passed to the model;
+- the noise and the Poisson sampling are seeded from the OS (a full-entropy generator) unless ``noise_seed`` is
+  given: Trainer seeds torch's global generator with a public default (``seed=42``), which must not decide
+  the noise. With ``noise_seed`` the run is reproducible and the noise is known to whoever knows the seed.
 
 Refused when the sampling would not be the accounted one (``ValueError``, checked before ``Trainer`` is
 built; an ``IterableDataset`` train set: ``TypeError`` at ``train()``, Poisson sampling needs indices):
 ``gradient_accumulation_steps > 1`` (several independently sampled batches in one step; set
 ``per_device_train_batch_size`` to the batch size you want instead), more than one process or device,
-``resume_from_checkpoint`` (a Trainer checkpoint holds no accountant history). ``TrainingArguments.max_grad_norm``
+``resume_from_checkpoint`` (a Trainer checkpoint holds no accountant history), ``label_smoothing_factor > 0``
+(Trainer's label smoother averages over every token of the batch, coupling examples; apply smoothing inside
+a per-example loss instead). ``TrainingArguments.max_grad_norm``
 is set to 0: Trainer's clipping of the summed gradient is replaced by per-example clipping, and the gradient
 norm Trainer would log is that of the un-noised gradient, so it is not logged.
+
+A ``compute_loss_func`` is called with ``num_items_in_batch=None`` and must return a per-example loss (each
+example normalised by its own size, e.g. ``privacy_engine.losses.per_example_token_cross_entropy``): the
+engine cannot check a function it does not know.
 
 Not covered by the guarantee: the training loss Trainer logs (computed on each batch without noise), anything
 a callback reads from ``.grad`` before the optimizer step, and evaluation metrics on private data.
@@ -39,6 +52,7 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -47,8 +61,11 @@ import transformers
 from torch.utils.data import DataLoader, IterableDataset
 
 from privacy_engine.engine import PrivacyEngine
+from privacy_engine.noise.secure_random import full_entropy_generator
 
 __all__ = ["DPTrainer"]
+
+logger = logging.getLogger(__name__)
 
 
 def _check_arguments(args: transformers.TrainingArguments) -> None:
@@ -64,6 +81,13 @@ def _check_arguments(args: transformers.TrainingArguments) -> None:
             f"DPTrainer runs on one process and one device (world_size={args.world_size}, n_gpu={args.n_gpu}): "
             f"its private loader samples the whole dataset on each step. Use privacy_engine.training.distributed for "
             f"several processes."
+        )
+    if args.label_smoothing_factor != 0:
+        raise ValueError(
+            f"DPTrainer: label_smoothing_factor={args.label_smoothing_factor}: Trainer's label smoother averages the "
+            f"smoothed loss over every token of the batch, so each example's gradient depends on the other examples' "
+            f"lengths (per-example clipping no longer bounds its influence). Set label_smoothing_factor=0, or "
+            f"smooth inside a per-example loss given as compute_loss_func."
         )
 
 
@@ -92,6 +116,12 @@ class DPTrainer(transformers.Trainer):
     ``optimizers=(opt, sched)`` given     ``opt`` is wrapped (its parameter groups kept)
     neither / both of noise_multiplier,   ``ValueError``
     target_epsilon
+    model called with ``labels=``         per-example loss (own token count, mean over examples)
+    ``num_items_in_batch`` from Trainer   not passed on (batch-wide count)
+    no ``noise_seed``                     noise and sampling seeded from the OS (logged)
+    ``noise_seed`` (or a seed / generator reproducible noise (logged); ``noise_seed`` with a
+    in ``private_options``)               secure-mode engine, or given twice: ``ValueError``
+    label_smoothing_factor > 0            ``ValueError`` (the smoother couples examples)
     gradient_accumulation_steps > 1       ``ValueError`` (see the module docstring)
     several processes or devices          ``ValueError``
     IterableDataset train set             ``TypeError`` at ``train()``
@@ -101,7 +131,8 @@ class DPTrainer(transformers.Trainer):
 
     Args (besides ``Trainer``'s): privacy_engine (default ``PrivacyEngine()``: its accountant records the
     steps), noise_multiplier or target_epsilon, target_delta, max_grad_norm (per-example clipping bound),
-    grad_sample_mode (``"hooks"`` or ``"ghost"``), and any other keyword of ``PrivacyEngine.make_private``
+    grad_sample_mode (``"hooks"`` or ``"ghost"``), noise_seed (an int for reproducible noise and sampling;
+    ``None``: OS entropy, never Trainer's ``seed``), and any other keyword of ``PrivacyEngine.make_private``
     in ``private_options``.
     """
 
@@ -116,6 +147,7 @@ class DPTrainer(transformers.Trainer):
         target_delta: float = 1e-5,
         max_grad_norm: float = 1.0,
         grad_sample_mode: str = "hooks",
+        noise_seed: int | None = None,
         private_options: dict[str, Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
@@ -123,6 +155,17 @@ class DPTrainer(transformers.Trainer):
             raise ValueError("DPTrainer needs exactly one of noise_multiplier and target_epsilon")
         if privacy_engine is not None and not isinstance(privacy_engine, PrivacyEngine):
             raise TypeError(f"privacy_engine must be a PrivacyEngine; got {type(privacy_engine).__name__}")
+        if noise_seed is not None and (
+            isinstance(noise_seed, bool) or not isinstance(noise_seed, int) or noise_seed < 0
+        ):
+            raise ValueError(f"DPTrainer: noise_seed must be an int >= 0 or None (OS entropy); got {noise_seed!r}")
+        if noise_seed is not None and {"noise_seed", "noise_generator"} & set(private_options or {}):
+            raise ValueError("DPTrainer: give noise_seed either as an argument or in private_options, not both")
+        if noise_seed is not None and privacy_engine is not None and privacy_engine.secure_mode:
+            raise ValueError(
+                "DPTrainer: noise_seed with a secure-mode PrivacyEngine: secure mode draws the noise from the OS only. "
+                "Drop noise_seed, or use PrivacyEngine(secure_mode=False) for a reproducible run."
+            )
         if args is not None:
             _check_arguments(args)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -137,6 +180,7 @@ class DPTrainer(transformers.Trainer):
         self.max_grad_norm = max_grad_norm
         self.grad_sample_mode = grad_sample_mode
         self.private_options = dict(private_options or {})
+        self.noise_seed = noise_seed
         self.private_model = None
         self._private_loader = None
 
@@ -177,6 +221,7 @@ class DPTrainer(transformers.Trainer):
             max_grad_norm=self.max_grad_norm,
             grad_sample_mode=self.grad_sample_mode,
             **self.private_options,
+            **self._seeding(),
         )
         if self.target_epsilon is not None:
             result = self.privacy_engine.make_private_with_epsilon(
@@ -189,6 +234,31 @@ class DPTrainer(transformers.Trainer):
             result = self.privacy_engine.make_private(noise_multiplier=self.noise_multiplier, **options)
         # (model, optimizer, loader), or (model, optimizer, criterion, loader) in ghost mode
         self.private_model, self.optimizer, self._private_loader = result[0], result[1], result[-1]
+
+    def _seeding(self) -> dict[str, Any]:
+        """The seeding make_private gets on top of ``private_options``; logs where the noise comes from."""
+        if self.noise_seed is not None:
+            logger.warning(
+                "DPTrainer: noise and sampling seeded from noise_seed=%d: the run is reproducible, and whoever knows "
+                "the seed knows the noise",
+                self.noise_seed,
+            )
+            # One generator for both, as make_private's noise_generator: the noise seed is one draw from it.
+            return {"noise_generator": torch.Generator().manual_seed(self.noise_seed)}
+        given = sorted({"noise_seed", "noise_generator"} & set(self.private_options))
+        if given:
+            logger.warning(
+                "DPTrainer: noise seeded from private_options[%r]: reproducible, and whoever knows the seed knows "
+                "the noise",
+                given[0],
+            )
+            return {}
+        if self.privacy_engine.secure_mode:
+            logger.info("DPTrainer: secure-mode engine: noise and sampling drawn from OS entropy")
+            return {}
+        # Not torch's global generator: Trainer seeds it with args.seed (42 by default), a public value.
+        logger.info("DPTrainer: noise and sampling seeded from OS entropy (pass noise_seed= for a reproducible run)")
+        return {"noise_generator": full_entropy_generator()}
 
     def _planned_epochs(self, batches_per_epoch: int) -> int:
         if self.args.max_steps is not None and self.args.max_steps > 0:
@@ -224,13 +294,16 @@ class DPTrainer(transformers.Trainer):
             # step that follows releases noise only, as the accounting assumes.
             return torch.zeros((), device=self.args.device)
         self.private_model.train()
-        return super().training_step(model, inputs, num_items_in_batch)
+        # num_items_in_batch is the batch's labelled-token count: dividing by it would make each example's
+        # gradient depend on the other examples' lengths. The wrapper's loss is per-example instead.
+        return super().training_step(model, inputs, None)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        # Training forwards go through the wrapper (per-sample gradients, batch bookkeeping); evaluation
-        # forwards (no gradient) through the model Trainer passes.
+        # Training forwards go through the wrapper (per-sample gradients, per-example losses, batch
+        # bookkeeping); evaluation forwards (no gradient) through the model Trainer passes.
         if self.private_model is not None and torch.is_grad_enabled() and model.training:
             model = self.private_model
+            num_items_in_batch = None
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _get_grad_norm(self, model, grad_norm=None):

@@ -17,6 +17,11 @@ class UnsupportedModuleError(ValueError):
     """The model contains a module whose per-sample gradients cannot be computed safely."""
 
 
+class InteractingExamplesError(UnsupportedModuleError):
+    """Examples of a batch interact in the forward or in the loss: one example's gradient depends on the
+    others, so clipping it does not bound that example's influence on the step (DP-SGD's assumption)."""
+
+
 def module_label(path: str) -> str:
     return repr(path) if path else "the top-level module"
 

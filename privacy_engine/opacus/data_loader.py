@@ -1,11 +1,15 @@
 """``opacus.data_loader.DPDataLoader``: the engine's Poisson-sampling loader with Opacus's constructors.
 
-Sample rate (the one difference an Opacus user can see): ``from_data_loader`` samples each example
-with probability ``q = batch_size / N`` (the engine's rule), where Opacus uses ``1 / len(loader)``
-(``len(loader) = ceil(N / batch_size)`` without ``drop_last``). They agree when ``batch_size``
-divides ``N``; otherwise Opacus's ``q`` is slightly smaller (fewer examples per step, slightly smaller
-epsilon per step). Either is private as long as the accountant records the rate actually sampled,
-which both do. ``DPDataLoader(dataset, sample_rate=q)`` samples at exactly the ``q`` given.
+Sample rate. Opacus's code computes the rate as ``1 / len(loader)``: ``DPDataLoader.from_data_loader``
+samples at ``1 / len(data_loader)``, and its examples account with
+``accountant.get_optimizer_hook_fn(sample_rate=1 / len(loader))``. This namespace samples at that same
+rate, so a pipeline built by hand the Opacus way records the rate it samples at: ``from_data_loader``
+samples each example with probability ``q = 1 / len(data_loader)`` and its loader has
+``len(data_loader)`` batches (``1 / len(private_loader)`` is the same ``q``). (The engine's own
+``make_private`` samples at ``batch_size / N`` and records that; the two agree when ``batch_size``
+divides ``N``.) ``DPDataLoader(dataset, sample_rate=q)`` samples at exactly the ``q`` given and, as in
+Opacus, has ``int(1 / q)`` batches, so ``1 / len(loader) >= q``: a hook given ``1 / len(loader)`` records
+at least the rate sampled (never less).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from privacy_engine.opacus._lazy import lazy_attribute
+from privacy_engine.opacus.utils.uniform_sampler import opacus_steps_per_epoch
 from privacy_engine.training.data_loader import DPDataLoader as _DPDataLoader
+from privacy_engine.training.data_loader import _sized_dataset_length, loader_index_set
 from privacy_engine.training.rewrap import plain_loader_for
 from privacy_engine.training.sampling import PoissonBatchSampler
 
@@ -78,7 +84,8 @@ class DPDataLoader(_DPDataLoader):
             raise ValueError("build a distributed private loader with DPDataLoader.from_data_loader(loader, distributed=True)")
         if drop_last:
             warnings.warn("drop_last is ignored: Poisson sampling has no last partial batch")
-        sampler = PoissonBatchSampler(len(dataset), sample_rate, generator=generator)
+        sampler = PoissonBatchSampler(len(dataset), sample_rate, generator=generator,
+                                      steps=opacus_steps_per_epoch(sample_rate))  # fmt: skip
         super().__init__(dataset, sampler, collate_fn=collate_fn, generator=generator, **kwargs)
 
     @classmethod
@@ -92,11 +99,29 @@ class DPDataLoader(_DPDataLoader):
         rand_on_empty: bool = False,
         steps: int | None = None,
     ) -> _DPDataLoader:
-        """A Poisson-sampling loader over ``data_loader``'s examples with its expected batch size
-        (``q = batch_size / N``; see the module docstring for Opacus's ``1 / len(loader)``).
+        """A Poisson-sampling loader over ``data_loader``'s examples at Opacus's rate,
+        ``q = 1 / len(data_loader)``, with ``len(data_loader)`` batches per pass.
+
+        Guarantee: every example ``data_loader`` draws from is in each batch independently with
+        probability ``1 / len(data_loader)``, which is ``1 / len(returned loader)`` and the returned
+        loader's ``sample_rate``: a step hook given ``sample_rate=1 / len(loader)`` (either loader), as
+        Opacus's examples write it, records the rate actually sampled.
+
+        ===================================  ================================================
+        case                                 result
+        ===================================  ================================================
+        batch_size divides N                 q = batch_size / N (the engine's rate too)
+        otherwise                            q = 1 / ceil(N / batch_size) (Opacus's), slightly
+                                             below batch_size / N
+        drop_last=True on data_loader        q = 1 / floor(N / batch_size) (Opacus's rule)
+        a private loader passed in           rebuilt from the plain loader it stands for
+        SubsetRandomSampler                  q over the sampler's indices only
+        ``steps`` given                      that many batches per pass (q unchanged)
+        empty data_loader                    ValueError
+        ===================================  ================================================
+
         ``generator`` drives the sampling (default: ``data_loader.generator``, as Opacus; None:
-        torch's global generator). A private loader passed in is rebuilt from the plain loader it
-        stands for (same examples and expected batch size)."""
+        torch's global generator)."""
         _check_options(rand_on_empty=rand_on_empty)
         if isinstance(data_loader, _DPDataLoader):
             data_loader = plain_loader_for(data_loader)
@@ -110,4 +135,12 @@ class DPDataLoader(_DPDataLoader):
                 "distributed Poisson sampling",
             )
             return build(data_loader, generator=generator)
-        return super().from_data_loader(data_loader, generator=generator, steps=steps)
+        batches = len(data_loader)
+        if batches < 1:
+            raise ValueError("data_loader is empty (len(data_loader) == 0): it has no sample rate 1 / len(loader)")
+        _sized_dataset_length(data_loader)  # TypeError naming the dataset unless it is sized, map-style
+        sampler = PoissonBatchSampler(
+            len(data_loader.dataset), 1.0 / batches, steps=batches if steps is None else steps, generator=generator,
+            indices=loader_index_set(data_loader),
+        )  # fmt: skip
+        return cls(data_loader.dataset, sampler, **cls._loader_kwargs(data_loader))

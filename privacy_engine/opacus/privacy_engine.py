@@ -224,7 +224,15 @@ class PrivacyEngine(_PrivacyEngine):
         # Validate the accountant's part on a copy first: nothing may change if it is malformed.
         accountant_state = payload.get(_OPACUS_ACCOUNTANT_KEY)
         if accountant_state is not None:
-            copy.deepcopy(self.accountant).load_state_dict(accountant_state)
+            loaded = copy.deepcopy(self.accountant)
+            loaded.load_state_dict(accountant_state)
+            # On an engine shared by several optimizers, only the restored one's entries are replaced
+            # (an Opacus file has no sources: its entries are taken as the restored optimizer's).
+            restored_source = None if optimizer is None else str(getattr(optimizer, "source", ""))
+            accountant_state = loaded.state_dict()
+            for entry in accountant_state["history"]:
+                entry["source"] = restored_source or ""
+            accountant_state = checkpoint.ledger_after_restore(self, accountant_state, restored_source=restored_source)
         module_backup = copy.deepcopy(module.state_dict())
         accountant_backup = self.accountant.state_dict()
         try:

@@ -1,37 +1,81 @@
-"""Batch tickets: which drawn batch (or slice of one) a tensor belongs to.
+"""Batch tickets: which drawn batch (or slice of one) a tensor belongs to, decided exactly.
 
 The private loader (``DPDataLoader``) issues a ``BatchTicket`` for every batch it yields and attaches
-it to the batch's tensors (``tag_batch``); views that are runs of whole rows (``x.split(n)``,
-``x[a:b]``) find their slice of it (``find_ticket``), and ``move_to`` keeps it across a device copy.
-``TicketQueue`` holds the tickets a loader yielded that no forward has used yet. What a step does
-with them (which batches one release contains, and the checks before it) is the step contract's:
+it to the batch's tensors (``tag_batch``). A tensor is then identified as part of a drawn batch in
+exactly three ways, never by its size:
+
+- its tag (set by the loader, by ``move_to``, or by the recognition of a copy below), valid while
+  the tensor is not modified in place;
+- it is a view of a tagged tensor whose rows lie inside consecutive rows of the batch, one view row
+  per batch row (``x[a:b]``, ``x.split(n)``, ``x.view(B, -1)``, ``x.unsqueeze(1)``, ``x[:, :-1]``,
+  ``x.transpose(0, 1)`` for a batch-second model): ``find_ticket``;
+- its values equal, row for row, a run of rows of one of the few batches its loader yielded last
+  (``TicketQueue.recent``): a copy made by ``.to(device)``, ``.clone()``, ``.contiguous()`` or
+  ``.pin_memory()``, or a copy of a slice of the batch: ``row_runs``.
+
+``move_to`` keeps the tag across a device copy. ``TicketQueue`` holds the tickets a loader yielded
+that no forward has used yet, and references to its last ``RECENT_BATCHES`` batches (so memory stays
+bounded however long a loop only iterates). What a step does with all this (which batches one
+release contains, and the checks before it) is the step contract's:
 ``privacy_engine.training.step_contract``.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["BatchTicket", "TicketQueue", "find_ticket", "iter_tensors", "move_to", "tag_batch"]
+__all__ = [
+    "BatchTicket",
+    "LoaderOrigin",
+    "TicketQueue",
+    "find_ticket",
+    "flat_rows",
+    "iter_tensors",
+    "move_to",
+    "row_runs",
+    "shares_a_row",
+    "tag_batch",
+    "tag_tensor",
+]
 
 TICKET_ATTRIBUTE = "_privacy_engine_ticket"
+_VERSION_ATTRIBUTE = "_privacy_engine_ticket_version"
 # Batches yielded but never run through the model are forgotten beyond this many (a loop that only
 # iterates, e.g. to count batches, must not grow memory without bound).
 MAX_QUEUED_TICKETS = 4096
+# Batches whose tensors a loader keeps, so that a copy of one (``.to(device)`` in a prefetcher) is
+# recognised by its values. A few suffice: a copy is made right after the batch is yielded.
+RECENT_BATCHES = 4
+
+
+class LoaderOrigin:
+    """The identity of one private loader, carried by its tickets (its batches are its own draws)."""
+
+    __slots__ = ("__weakref__", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"LoaderOrigin({self.name})"
 
 
 @dataclass(frozen=True, eq=False)
 class BatchTicket:
-    """One batch as the private loader drew it (or a contiguous slice of it).
+    """One batch as a private loader drew it (or a contiguous slice of it), or a batch no private
+    loader drew (``loader_step`` None).
 
-    ``loader_step``: the draw's global index (the cyclic group is ``loader_step mod b``); None for a
-    batch that no private loader drew. ``size``: entries in the batch, padding included.
-    ``part``: ``(start, end)`` rows of the drawn batch that this slice holds; None for all of it.
+    ``loader_step``: the draw's global index (the cyclic group is ``loader_step mod b``).
+    ``size``: entries in the batch, padding included. ``part``: ``(start, end)`` rows of the drawn
+    batch that this slice holds; None for all of it. ``origin``: the loader that drew it.
+    ``refusal``: for a batch no loader drew, why the engine could not tie it to a draw (said when a
+    step would release it).
     """
 
     loader_step: int | None
@@ -40,6 +84,8 @@ class BatchTicket:
     padding_mask: torch.Tensor | None = None
     part: tuple[int, int] | None = None
     draw: Any = field(default=None, repr=False)  # identity of the whole draw (shared by its slices)
+    origin: LoaderOrigin | None = field(default=None, repr=False)
+    refusal: str = ""
 
     def __post_init__(self) -> None:
         if self.draw is None:
@@ -53,6 +99,11 @@ class BatchTicket:
     def rows(self) -> tuple[int, int]:
         return self.part if self.part is not None else (0, self.size)
 
+    @property
+    def num_rows(self) -> int:
+        start, end = self.rows
+        return end - start
+
     def slice(self, start: int, end: int) -> BatchTicket:
         """The ticket of rows ``[start, end)`` of this batch (a micro-batch)."""
         first, last = self.rows
@@ -60,8 +111,15 @@ class BatchTicket:
             raise ValueError(f"slice [{start}, {end}) is outside a batch of {last - first} rows")
         return BatchTicket(
             loader_step=self.loader_step, size=self.size, group=self.group, padding_mask=self.padding_mask,
-            part=(first + start, first + end), draw=self.draw,
+            part=(first + start, first + end), draw=self.draw, origin=self.origin,
         )  # fmt: skip
+
+    def whole(self) -> BatchTicket:
+        """The ticket of the whole drawn batch this one is a slice of."""
+        if self.part is None:
+            return self
+        return BatchTicket(loader_step=self.loader_step, size=self.size, group=self.group,
+                           padding_mask=self.padding_mask, draw=self.draw, origin=self.origin)  # fmt: skip
 
     def mask(self) -> torch.Tensor | None:
         """The padding mask of the rows this ticket holds (None: no padding)."""
@@ -94,43 +152,75 @@ def iter_tensors(value: Any, depth: int = 0) -> Iterable[torch.Tensor]:
             yield from iter_tensors(item, depth + 1)
 
 
+def tag_tensor(tensor: torch.Tensor, ticket: BatchTicket) -> None:
+    """Attach ``ticket`` to ``tensor``; the tag holds until the tensor is modified in place."""
+    try:
+        setattr(tensor, TICKET_ATTRIBUTE, ticket)
+        setattr(tensor, _VERSION_ATTRIBUTE, tensor._version)
+    except (AttributeError, RuntimeError):  # a tensor type that refuses attributes
+        pass
+
+
 def tag_batch(batch: Any, ticket: BatchTicket) -> None:
     """Attach ``ticket`` to every tensor of ``batch`` (so it travels with the tensors themselves)."""
     for tensor in iter_tensors(batch):
-        try:
-            setattr(tensor, TICKET_ATTRIBUTE, ticket)
-        except (AttributeError, RuntimeError):  # a tensor type that refuses attributes
-            pass
+        tag_tensor(tensor, ticket)
 
 
-def _ticket_of(tensor: torch.Tensor) -> BatchTicket | None:
+def _own_tag(tensor: torch.Tensor) -> BatchTicket | None:
     ticket = getattr(tensor, TICKET_ATTRIBUTE, None)
+    if ticket is None:
+        return None
+    # Modified in place since it was tagged (a buffer the next batch was copied into): the tag no
+    # longer says what the tensor holds.
+    return ticket if getattr(tensor, _VERSION_ATTRIBUTE, None) == tensor._version else None
+
+
+def _rows_of_view(view: torch.Tensor, base: torch.Tensor, batch_dim: int) -> tuple[int, int] | None:
+    """``(start, end)``: the rows of ``base`` (dim 0) that rows ``0..n`` of ``view`` (along
+    ``batch_dim``) lie inside, one view row inside one base row, consecutively; None when the view
+    is not such a view (its rows mix examples, or its layout cannot be read)."""
+    if view.dtype != base.dtype or base.dim() == 0 or view.dim() <= batch_dim or base.numel() == 0:
+        return None
+    if view.numel() == 0 or min(base.stride() + view.stride(), default=0) < 0:
+        return None
+    row_extent = sum((n - 1) * s for n, s in zip(base.shape[1:], base.stride()[1:]))  # last offset in a row
+    row_stride = base.stride(0) if base.shape[0] > 1 else row_extent + 1
+    if row_stride <= row_extent:
+        return None  # the base's rows interleave: a row is not a block of memory
+    offset = view.storage_offset() - base.storage_offset()
+    if offset < 0:
+        return None
+    start, within = divmod(offset, row_stride)
+    rows = view.shape[batch_dim]
+    if rows > 1 and view.stride(batch_dim) != row_stride:
+        return None
+    inner = sum((n - 1) * s for d, (n, s) in enumerate(zip(view.shape, view.stride())) if d != batch_dim)
+    if within + inner > row_extent or start + rows > base.shape[0]:
+        return None
+    return start, start + rows
+
+
+def _ticket_of(tensor: torch.Tensor, batch_dim: int) -> BatchTicket | None:
+    ticket = _own_tag(tensor)
     if ticket is not None:
         return ticket
     base = tensor._base
-    parent = None if base is None else getattr(base, TICKET_ATTRIBUTE, None)
-    if parent is None or base.dim() == 0 or tensor.dim() != base.dim():
+    parent = None if base is None else _own_tag(base)
+    if parent is None or base.shape[0] != parent.num_rows:
         return None
-    # A view of a tagged batch (``x.split(n)``, ``x[a:b]``): which rows, if it is a run of whole rows.
-    row_stride = base.stride(0)
-    offset = tensor.storage_offset() - base.storage_offset()
-    if tensor.shape[1:] != base.shape[1:] or tensor.stride() != base.stride() or row_stride <= 0:
+    rows = _rows_of_view(tensor, base, batch_dim)
+    if rows is None:
         return None
-    if offset % row_stride:
-        return None
-    start = offset // row_stride
-    end = start + tensor.shape[0]
-    if parent.part is not None or not 0 <= start <= end <= parent.size:
-        return None
-    return parent if (start, end) == (0, parent.size) else parent.slice(start, end)
+    return parent if rows == (0, parent.num_rows) else parent.slice(*rows)
 
 
-def find_ticket(*values: Any) -> BatchTicket | None:
-    """The ticket carried by the tensors in ``values`` (or by the tagged batch they are row-slices
-    of); ``RuntimeError`` if they carry two batches' tickets."""
+def find_ticket(*values: Any, batch_dim: int = 0) -> BatchTicket | None:
+    """The ticket carried by the tensors in ``values``, or by the tagged batch they are views of
+    (with the batch along ``batch_dim``); ``RuntimeError`` if they carry two batches' tickets."""
     found: BatchTicket | None = None
     for tensor in iter_tensors(list(values)):
-        ticket = _ticket_of(tensor)
+        ticket = _ticket_of(tensor, batch_dim if tensor._base is not None else 0)
         if ticket is None:
             continue
         if found is not None and not found.same_rows(ticket):
@@ -145,14 +235,15 @@ def find_ticket(*values: Any) -> BatchTicket | None:
 def move_to(batch: Any, device: torch.device | str, **kwargs: Any) -> Any:
     """``batch`` with every tensor moved by ``tensor.to(device, **kwargs)``, keeping its ticket.
 
-    Use it in place of ``.to(device)`` when batches are prefetched or listed ahead with truncated or
-    cyclic sampling, so the engine never has to match copied tensors to their batch by order.
+    Use it in place of ``.to(device)`` where the copy would not be recognised by its values: a batch
+    used long after it was yielded (more than ``RECENT_BATCHES`` batches later), or a copy that
+    changes the values (``dtype=``).
     """
     if isinstance(batch, torch.Tensor):
         moved = batch.to(device, **kwargs)
-        ticket = getattr(batch, TICKET_ATTRIBUTE, None)
+        ticket = _own_tag(batch)
         if ticket is not None:
-            setattr(moved, TICKET_ATTRIBUTE, ticket)
+            tag_tensor(moved, ticket)
         return moved
     if isinstance(batch, Mapping):
         return type(batch)({key: move_to(value, device, **kwargs) for key, value in batch.items()})
@@ -163,29 +254,172 @@ def move_to(batch: Any, device: torch.device | str, **kwargs: Any) -> Any:
     return batch
 
 
+# ---------------------------------------------------------------------------------------------- values
+_FINGERPRINT_ATTRIBUTE = "_privacy_engine_row_fingerprints"
+
+
+def flat_rows(tensor: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+    """``tensor`` as a matrix with one row per entry along ``batch_dim``."""
+    rows = tensor.movedim(batch_dim, 0)
+    if rows.is_complex():
+        rows = torch.view_as_real(rows)
+    return rows.reshape(rows.shape[0], -1)
+
+
+# Fingerprints read at most this many values of a row (a fixed random choice of columns): enough to
+# tell distinct rows apart in practice, and the exact comparison settles the rest.
+_FINGERPRINT_COLUMNS = 1024
+
+
+@functools.lru_cache(maxsize=16)
+def _projection(width: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(columns read or None for all, their weights) of the fingerprint of rows of ``width`` values."""
+    generator = torch.Generator().manual_seed(20261125)
+    columns = None
+    if width > _FINGERPRINT_COLUMNS:
+        columns = torch.randperm(width, generator=generator)[:_FINGERPRINT_COLUMNS].sort().values.to(device)
+        width = _FINGERPRINT_COLUMNS
+    return columns, (torch.rand(width, generator=generator, dtype=torch.float64) + 0.5).to(device)
+
+
+def _fingerprints(tensor: torch.Tensor, batch_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 projection of each row of ``tensor`` (along ``batch_dim``), and the scale its
+    rounding error is relative to. Equal rows give projections within ``_close_pairs``' tolerance of
+    each other, whatever their values (NaN and ±Inf included): the projections only pick the pairs to
+    compare exactly. Kept on the tensor until it is modified in place (a batch is compared with every
+    copy of it)."""
+    key = (batch_dim, tensor._version)
+    cached = getattr(tensor, _FINGERPRINT_ATTRIBUTE, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = flat_rows(tensor, batch_dim)
+    columns, weights = _projection(rows.shape[1], rows.device)
+    values = (rows if columns is None else rows[:, columns]).double()
+    if rows.is_floating_point():
+        values = torch.nan_to_num(values, nan=0.5, posinf=1e30, neginf=-1e30).clamp_(-1e30, 1e30)
+    result = (values @ weights, values.abs() @ weights)
+    try:
+        setattr(tensor, _FINGERPRINT_ATTRIBUTE, (key, result))
+    except (AttributeError, RuntimeError):
+        pass
+    return result
+
+
+def _close_pairs(a: torch.Tensor, a_dim: int, b: torch.Tensor, b_dim: int) -> torch.Tensor:
+    """``(rows of a, rows of b)`` bool, on ``b``'s device: the row pairs whose fingerprints are close
+    (a superset of the equal pairs). Each side is fingerprinted where it lives; only the fingerprints
+    move (the loader's batches stay on the host when the model's copies are on a GPU)."""
+    fa, sa = (value.to(b.device) for value in _fingerprints(a, a_dim))
+    fb, sb = _fingerprints(b, b_dim)
+    tolerance = (_FINGERPRINT_COLUMNS * 4e-16 + 1e-13) * (sa[:, None] + sb[None, :]) + 1e-300
+    return (fa[:, None] - fb[None, :]).abs() <= tolerance
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values (NaN equal to NaN); ``b`` is moved to ``a``'s device."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    b = b.to(a.device)
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or not bool(a.isnan().any()):
+        return bool(a.is_floating_point() and (a == b).all())  # -0.0 == 0.0, which torch.equal may not say
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _comparable(a: torch.Tensor, a_dim: int, b: torch.Tensor, b_dim: int) -> bool:
+    """Same dtype and the same number of values per row."""
+    if a.dtype != b.dtype or a.dim() <= a_dim or b.dim() <= b_dim:
+        return False
+    return a.numel() * b.shape[b_dim] == b.numel() * a.shape[a_dim] and (a.numel() == 0) == (b.numel() == 0)
+
+
+def row_runs(candidate: torch.Tensor, batch_dim: int, reference: torch.Tensor) -> list[int]:
+    """The starts ``a`` at which the rows of ``candidate`` (along ``batch_dim``) equal rows
+    ``a .. a + n`` of ``reference`` (along dim 0), value for value, on any devices (only the run
+    compared exactly moves). An empty candidate matches only an empty reference (at 0).
+
+    Guarantee: exact (no false match, no missed one): fingerprints only select the runs to compare
+    value for value. NaN equals NaN; -0.0 equals 0.0.
+
+    ==========================  ===========================
+    case                        result
+    ==========================  ===========================
+    dtype or row width differs  [] (a ``dtype=`` copy is not recognised)
+    candidate longer            []
+    both empty                  [0]
+    duplicate runs              every start
+    ==========================  ===========================
+    """
+    count, total = candidate.shape[batch_dim] if candidate.dim() > batch_dim else -1, reference.shape[0]
+    if count == 0 or total == 0:
+        return [0] if count == total and candidate.dtype == reference.dtype else []
+    if not _comparable(candidate, batch_dim, reference, 0) or count > total:
+        return []
+    close = _close_pairs(candidate, batch_dim, reference, 0)
+    rows = None
+    starts = []
+    for start in close[0, : total - count + 1].nonzero().flatten().tolist():
+        if bool(close.diagonal(start)[:count].all()):
+            rows = flat_rows(candidate, batch_dim) if rows is None else rows
+            if _same_values(rows, flat_rows(reference[start : start + count])):
+                starts.append(start)
+    return starts
+
+
+def shares_a_row(candidate: torch.Tensor, batch_dim: int, reference: torch.Tensor, reference_dim: int, *,
+                 aligned_at: int | None = None) -> bool:  # fmt: skip
+    """Whether some row ``i`` of ``candidate`` equals some row ``j`` of ``reference`` (each along its
+    batch dimension), not counting the pairs ``j == aligned_at + i`` (the same example's own row)."""
+    if not _comparable(candidate, batch_dim, reference, reference_dim) or candidate.numel() == 0:
+        return False
+    candidate_rows, reference_rows = flat_rows(candidate, batch_dim), flat_rows(reference, reference_dim)
+    for i, j in _close_pairs(candidate, batch_dim, reference, reference_dim).nonzero().tolist():
+        if (aligned_at is None or j != aligned_at + i) and _same_values(candidate_rows[i], reference_rows[j]):
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------------------------- queue
 class TicketQueue:
-    """Tickets a loader has yielded whose batch no forward has used yet, oldest first."""
+    """Tickets a loader has yielded whose batch no forward has used yet, oldest first, and the
+    tensors of its last ``RECENT_BATCHES`` batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "DPDataLoader") -> None:
         self._tickets: collections.deque[BatchTicket] = collections.deque(maxlen=MAX_QUEUED_TICKETS)
+        self._recent: collections.deque[tuple[BatchTicket, tuple[torch.Tensor, ...]]] = collections.deque(
+            maxlen=RECENT_BATCHES
+        )
         self.last_issued: BatchTicket | None = None
+        #: The loader's identity on its tickets.
+        self.origin = LoaderOrigin(name)
 
-    def issue(self, ticket: BatchTicket) -> None:
+    def issue(self, ticket: BatchTicket, batch: Any = None) -> None:
         self._tickets.append(ticket)
         self.last_issued = ticket
+        if batch is not None:
+            self._recent.append((ticket, tuple(t for t in iter_tensors(batch) if t.dim() > 0)))
 
     def clear(self) -> None:
         self._tickets.clear()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[BatchTicket]:
         return iter(list(self._tickets))
 
     def __len__(self) -> int:
         return len(self._tickets)
 
+    def __contains__(self, ticket: BatchTicket) -> bool:
+        return any(t.draw is ticket.draw for t in self._tickets)
+
+    def recent(self) -> list[tuple[BatchTicket, tuple[torch.Tensor, ...]]]:
+        """``(ticket, tensors)`` of the last batches yielded, oldest first."""
+        return list(self._recent)
+
     def take(self, ticket: BatchTicket) -> list[BatchTicket]:
         """Remove ``ticket``'s draw and every older one; return the older (skipped) ones."""
+        if ticket not in self:
+            return []
         skipped = []
         while self._tickets:
             head = self._tickets.popleft()
@@ -196,5 +430,5 @@ class TicketQueue:
 
     def put_back(self, ticket: BatchTicket) -> None:
         """Return a whole draw that a forward took but never used (its backward never ran)."""
-        if ticket.part is None and ticket.tracked and all(t.draw is not ticket.draw for t in self._tickets):
+        if ticket.part is None and ticket.tracked and ticket not in self:
             self._tickets.appendleft(ticket)

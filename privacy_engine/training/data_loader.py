@@ -85,7 +85,8 @@ class _EmptyBatchSafeCollate:
         if not self._has_template:
             self._empty_template = _zero_length(self.collate_fn([self.dataset[0]]))
             self._has_template = True
-        return self._empty_template
+        # New tensor objects for every empty batch: each batch carries its own ticket on its tensors.
+        return _zero_length(self._empty_template)
 
 
 def _sized_dataset_length(loader: DataLoader) -> int:
@@ -217,6 +218,8 @@ class DPDataLoader(DataLoader):
     ``loader.tickets``, so the optimizer step that releases it clips it with its own padding mask
     and ties it to its own step, whatever the iteration order (prefetching, ``list(loader)``,
     skipped batches). ``padding_mask`` (the last yielded batch's) is kept for inspection only.
+    The loader keeps references to its last ``RECENT_BATCHES`` (4) batches, so that a copy of one
+    (``.to(device)``) is recognised by its values; memory stays bounded however long a loop iterates.
     """
 
     def __init__(self, dataset: Dataset, batch_sampler: _DPBatchSampler, **loader_kwargs: Any) -> None:
@@ -241,7 +244,7 @@ class DPDataLoader(DataLoader):
         )
         self.padding_mask: torch.Tensor | None = None
         #: Tickets of the batches yielded and not yet run through the model (see step_contract).
-        self.tickets = TicketQueue()
+        self.tickets = TicketQueue(f"{type(self).__name__} at {id(self):#x}")
         self._consumed_steps = batch_sampler._next_step
 
     # ------------------------------------------------------------------ constructors
@@ -372,8 +375,8 @@ class DPDataLoader(DataLoader):
                 # that releases this batch knows its step index, group and padding, whatever order
                 # the loop uses it in.
                 ticket = BatchTicket(loader_step=step, size=entries, group=sampler.group_of_step(step),
-                                     padding_mask=padding_mask)  # fmt: skip
-                self.tickets.issue(ticket)
+                                     padding_mask=padding_mask, origin=self.tickets.origin)  # fmt: skip
+                self.tickets.issue(ticket, batch)
                 tag_batch(batch, ticket)
                 yield batch
         finally:

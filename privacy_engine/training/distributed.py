@@ -41,7 +41,8 @@ Failures. Every collective waits at most ``timeout`` (the process group's timeou
 ``DifferentiallyPrivateDistributedDataParallel(timeout=...)``); a rank that raised, died or
 stalled makes the others raise ``DistributedStepError`` naming the step, instead of hanging.
 ``make_private`` compares the privacy settings of all ranks (sigma, clipping, seeds, mechanism,
-sample rate, ...) and raises ``DistributedSettingsError`` on every rank, naming what differs.
+sample rate, ..., and a digest of the dataset's contents and order: ``distributed_dataset``) and
+raises ``DistributedSettingsError`` on every rank, naming what differs.
 Every rank must call ``optimizer.step()`` at every step, an empty local batch included: a rank
 that skips one leaves the others waiting at the all-reduce until the timeout.
 
@@ -57,7 +58,9 @@ of the unsharded weights), ``nn.DataParallel`` (replicas in threads), ``poisson_
 This module: the model wrappers, ``make_private``'s wiring (``unwrap``, ``agree``, ``configure``),
 Opacus's distributed names and the sampling checkpoints (``distributed_state``). Beside it:
 ``distributed_job.py`` (the job, its timeouts and collectives), ``distributed_noise.py``
-(``RankZeroNoise``) and ``distributed_sampling.py`` (each rank's samplers and loader).
+(``RankZeroNoise``), ``distributed_sampling.py`` (each rank's samplers and loader) and
+``distributed_dataset.py`` (the digest that tells whether the ranks hold the same dataset in the same
+order, compared with the settings).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from privacy_engine.training.distributed_dataset import dataset_settings
 from privacy_engine.training.distributed_job import (
     DistributedJob,
     DistributedSettingsError,
@@ -133,6 +137,7 @@ def plan_settings(plan: Any, *, accountant: Any, secure_mode: bool) -> dict[str,
         "max_batch_size": noise_plan.max_batch_size,
         "group_size": noise_plan.group_size,
         "dataset_size": getattr(loader.batch_sampler, "num_samples", None),
+        **dataset_settings(loader.dataset),
         "steps_per_epoch": len(loader),
         "loss_reduction": plan.loss_reduction,
         "grad_sample_mode": plan.grad_sample_mode,
@@ -344,9 +349,12 @@ def distributed_data_loader(data_loader: DataLoader, *, generator: torch.Generat
                             process_group: Any = None) -> DistributedDPDataLoader:  # fmt: skip
     """This rank's distributed Poisson loader over ``data_loader``'s examples (Opacus's
     ``DPDataLoader.from_data_loader(loader, distributed=True)``): ``q = batch_size / N`` with
-    ``batch_size`` the expected *global* batch. No communication: the ranks' streams are keyed by
-    rank, so they are independent whatever seeds the ranks hold."""
+    ``batch_size`` the expected *global* batch. The ranks' streams are keyed by rank, so they are
+    independent whatever seeds the ranks hold. Collective (every rank calls it, as in Opacus's
+    scripts): the ranks compare the dataset's size and digest (``distributed_dataset``) and raise
+    ``DistributedSettingsError`` on every rank if index ``i`` is not the same example everywhere."""
     job = _current_job(process_group, None, "distributed_data_loader")
+    job.agree(dataset_settings(data_loader.dataset))
     loader = DistributedDPDataLoader.from_data_loader(data_loader, rank=job.rank, world_size=job.world_size,
                                                       seed=_seed_from(generator))  # fmt: skip
     loader.distributed_job = job

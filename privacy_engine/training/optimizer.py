@@ -43,6 +43,7 @@ from privacy_engine.training.optimizer_arguments import (
 from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerState
 from privacy_engine.training.parameter_sync import ParameterSync
 from privacy_engine.training.release_checks import ReleaseChecks
+from privacy_engine.training.sampling import ShuffledBatches
 from privacy_engine.training.step_contract import Release, StepContract, register_optimizer
 
 __all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
@@ -80,6 +81,8 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
                                           released or counted
     several loader batches in one step    each clipped on its own; accounted as k draws in one
                                           release; divided by k * expected_batch_size
+                                          (``shuffled_batches``, no Poisson sampling: one
+                                          step at min(1, k q), ``ShuffledBatches``)
     ====================================  ==============================================
 
     Which batches, backward passes and parameters one step contains, and every check made before
@@ -172,6 +175,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.reduce_clipped_sums: Callable[[list[torch.Tensor]], None] | None = None
         #: A privacy budget consulted before every release (privacy_engine.engine.budget); None for none.
         self.budget: Any | None = budget
+        #: Set by the engine for ``poisson_sampling=False``: the loader's fixed-size batches, for accounting
+        #: a release of several of them (``ShuffledBatches``); None: releases hold Poisson batches.
+        self.shuffled_batches: ShuffledBatches | None = None
         self._all_params = [p for group in optimizer.param_groups for p in group["params"]]
         self._grad_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (id(.grad), version) we left
         register_optimizer(self)
@@ -254,7 +260,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.contract.attach_module(wrapper)
 
     def attach_loader(self, loader: Any) -> None:
-        """Tie this optimizer's steps to the batches of a private loader (``DPDataLoader``)."""
+        """Tie this optimizer's steps to the batches of a private loader (``DPDataLoader``): it releases
+        that loader's batches only (another loader's are refused at ``step()``); ``ValueError`` if it is
+        already tied to another loader."""
         self.contract.attach_queue(loader.tickets)
 
     def accumulate_pass(self, ticket: BatchTicket) -> None:
@@ -320,19 +328,20 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             self._in_logical_step = True
             return False
         params = self.clipper.params
+        shuffled_batches = self._shuffled_batches_in_release()  # before close(): raises before any release
         release = self.contract.close()
         rows, loader_step = self._check_release(release, params)
         self._in_logical_step = False
         self.last_clipping_stats = self.clipper.pre_step()
         grads = self.clipper.released_sums  # float32 at least; half-precision .grad is cast after the noise
-        self._add_noise_and_record(grads, params, release, rows, loader_step)
+        self._add_noise_and_record(grads, params, release, rows, loader_step, shuffled_batches=shuffled_batches)
         for module in self.contract.modules:
             module._forward_ticket = None  # a later backward must come from a new forward
         if self.loss_reduction == "mean":
             # Divide by the expected batch size, not the realised one: the realised size depends
             # on which examples were sampled, and dividing by it would release that number
             # without noise (and change the sensitivity).
-            torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, 1))
+            torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, shuffled_batches, 1))
         for param, grad in zip(params, grads):
             if param.grad is not grad:
                 param.grad = grad.to(param.dtype)  # the noised sum, rounded once
@@ -343,9 +352,18 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self._run_step_hooks()
         return True
 
+    def _shuffled_batches_in_release(self) -> int:
+        """Loader batches in the open step without Poisson sampling (``shuffled_batches``): from the rows
+        of the distinct batches its passes ran on (no Poisson loader is attached then: every batch is the
+        plain loader's); 0 when the batches are Poisson samples."""
+        if self.shuffled_batches is None:
+            return 0
+        rows = {(id(t.draw), t.rows) for t in self.contract._contributions}
+        return self.shuffled_batches.batches_in(sum(end - start for _, (start, end) in rows))
+
     def _add_noise_and_record(
         self, grads: list[torch.Tensor], params: list[nn.Parameter], release: Release, rows: int,
-        loader_step: int | None,
+        loader_step: int | None, *, shuffled_batches: int = 0,
     ) -> None:  # fmt: skip
         """Noise the clipped sums ``grads`` in place and record the step, in one commit of the noise
         state (after the discarded BandMF rows of the loader steps not released, see ``_noise_rows``).
@@ -354,6 +372,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             if self.reduce_clipped_sums is not None:
                 self.reduce_clipped_sums(grads)
             step_kwargs = self._accounting_kwargs(release, rows)
+            if shuffled_batches > 1:  # k disjoint batches of one epoch: each example at most once (ShuffledBatches)
+                step_kwargs["sample_rate"] = self.shuffled_batches.release_sample_rate(shuffled_batches)
+                step_kwargs.pop("batches_per_step", None)  # not independent Poisson draws
             if self.budget is not None:
                 self.budget.check_release(self.accountant, **step_kwargs)
             step_kwargs.pop("num_steps", None)

@@ -2,6 +2,11 @@
 
 A parameter unfrozen during training joins the clipper and the noise layout; one frozen gets no noise
 and no update. The set may only change between a step and the next forward.
+
+A trainable parameter of a wrapped model that the private optimizer does not hold (frozen when the
+optimizer was built over the trainable ones only, unfrozen later, perhaps given an optimizer of its own)
+would receive the raw, unclipped gradient of every private forward, and whatever steps it would release
+that gradient without noise: refused at every forward and step, before anything is computed or released.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ class ParameterSync:
         noise layout restarts over the new set (BandMF: a fresh correlation, which keeps the
         guarantee); a parameter frozen since gets no noise and no update. Raises ``ValueError``
         naming the parameter, changing nothing, when the set changes in the middle of a step (after
-        a backward pass) or when per-layer bounds were given one by one.
+        a backward pass) or when per-layer bounds were given one by one; ``RuntimeError`` naming it
+        when a trainable parameter of a bound wrapped model is not one of this optimizer's (see the
+        module docstring; ``check_no_foreign_trainable_parameters``).
         """
+        self.check_no_foreign_trainable_parameters()
         active = [p for p in self._all_params if p.requires_grad]
         current = self.clipper.params
         if len(active) == len(current) and all(a is b for a, b in zip(active, current)):
@@ -72,6 +80,41 @@ class ParameterSync:
         clipper.grad_scaler = self.clipper.grad_scaler
         self.noise.restart_layout()
         self.clipper = clipper
+
+    def check_no_foreign_trainable_parameters(self) -> None:
+        """Raise ``RuntimeError`` naming the first trainable parameter of a bound wrapped model that this
+        optimizer does not hold; change nothing.
+
+        Guarantee: while it passes, every parameter a private forward can give a gradient to is clipped
+        and noised by this optimizer (the wrapper is bound only to an optimizer holding all of its
+        trainable parameters, and this check keeps that true after ``requires_grad`` changes).
+
+        ======================================  ============================================
+        case                                    result
+        ======================================  ============================================
+        parameter frozen at make_private, in    not foreign: it joins the clipper when
+        the optimizer                           unfrozen (``sync_private_parameters``)
+        frozen, not in the optimizer            allowed while frozen (it gets no gradient)
+        ... unfrozen (own optimizer or none)    RuntimeError at the next forward / step
+        frozen again                            allowed again
+        ======================================  ============================================
+        """
+        mine = {id(p) for p in self._all_params}
+        for module in self.contract.modules:
+            wrapped = getattr(module, "wrapped_module", None)
+            if wrapped is None:
+                continue
+            for name, param in wrapped.named_parameters():
+                if param.requires_grad and id(param) not in mine:
+                    raise RuntimeError(
+                        f"parameter {name!r} of the wrapped model is trainable but not held by the private "
+                        f"optimizer (it was frozen, or left out, when the optimizer was made private, and "
+                        f"unfrozen since): a private forward would give it the raw, unclipped gradient, and an "
+                        f"optimizer stepping it would release that gradient without noise. Nothing was computed "
+                        f"or released. Put every parameter that may be trained in the optimizer given to "
+                        f"make_private (frozen ones too: they are clipped and noised from when they are "
+                        f"unfrozen), or keep {name!r} frozen (requires_grad_(False))."
+                    )
 
     def _clipper_over(self, active: list[nn.Parameter]) -> PerSampleGradientClipper:
         """A clipper configured as the current one, over ``active`` (per-layer: the current groups

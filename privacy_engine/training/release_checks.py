@@ -1,9 +1,10 @@
 """The checks a ``DPOptimizer`` makes before it releases a step, and what the accountant records for it.
 
 Every check raises before any noise is drawn or any step counted: data the private loader did not
-draw, gradients without per-sample contributions (eval mode, unwrapped model), parameters another
-optimizer changed, several loader batches in one BandMF or truncated-sampling step, and a batch
-released after a later BandMF noise row. For BandMF, a release also says how many noise rows it
+draw (untagged and unrecognised, another loader's batch, a joined batch holding drawn rows), gradients
+without per-sample contributions (eval mode, unwrapped model), a step with no new batch since the last
+one, parameters another optimizer changed, several loader batches in one BandMF or truncated-sampling
+step, and a batch released after a later BandMF noise row. For BandMF, a release also says how many noise rows it
 advances: one per loader step since the last release, so each batch gets the row of its own step.
 """
 
@@ -52,11 +53,13 @@ class ReleaseChecks:
     def _check_release(self, release: Release, params: list[nn.Parameter]) -> tuple[int, int | None]:
         """Check what the step is about to release; return (noise rows to advance, loader step)."""
         contract = self.contract
-        if release.untracked and contract.has_loader:
+        if release.refusals or (release.untracked and contract.has_loader):
+            why = "; ".join(release.refusals) or (
+                "a forward on tensors not yielded by the loader make_private returned"
+            )
             raise RuntimeError(
-                "this step would release gradients of data that the private loader did not draw (a forward on "
-                "tensors not yielded by the loader make_private returned): the accounting covers only the sampled "
-                "batches. Train on the private loader's batches."
+                f"this step would release gradients of data that the private loader did not draw: {why}. The "
+                f"accounting covers only the sampled batches; nothing was released or counted."
             )
         if release.num_draws == 0 and not release.untracked and not self.clipper.has_accumulated:
             stray = [i for i, p in enumerate(self._all_params) if p.requires_grad and self._has_stray_gradient(p)]
@@ -66,6 +69,13 @@ class ReleaseChecks:
                     f"gradients: the model was in eval() mode, not the wrapped model returned by make_private, or "
                     f"its hooks were removed. Nothing was released. Call model.train() on the wrapped model before "
                     f"the forward (or zero_grad() to drop these gradients)."
+                )
+            if not contract.has_new_batch:
+                raise RuntimeError(
+                    "optimizer.step() was called without a new batch since the last step (no training forward and "
+                    "no backward pass ran in between): it would release noise alone and count it as one more sampled "
+                    "step. Nothing was released or counted. Run the forward and backward of the next batch before "
+                    "each step()."
                 )
         contract.check_parameters_unchanged(params, where="optimizer.step()")
         if release.num_draws > 1 and (self.num_bands > 1 or getattr(self.accountant, "max_batch_size", None)):

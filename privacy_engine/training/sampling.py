@@ -9,6 +9,9 @@
   arXiv:2306.08153). With ``max_batch_size`` it truncates (random subset) and pads every batch
   to exactly ``max_batch_size``, recording which entries are padding.
 
+* ``ShuffledBatches``: no sampler of ours; the fixed-size batches of the user's own loader
+  (``poisson_sampling=False``), and how a release of several of them is accounted.
+
 Randomness comes from a ``torch.Generator`` (``None``: torch's global generator); sampling uses
 float64 uniforms, so inclusion probabilities are exact to 2**-53.
 """
@@ -16,7 +19,9 @@ float64 uniforms, so inclusion probabilities are exact to 2**-53.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +30,7 @@ from torch.utils.data import Sampler
 
 from privacy_engine.noise.secure_random import is_secure_generator, secure_permutation, secure_randint, secure_uniform
 
-__all__ = ["CyclicPoissonBatchSampler", "PoissonBatchSampler"]
+__all__ = ["CyclicPoissonBatchSampler", "PoissonBatchSampler", "ShuffledBatches"]
 
 
 def _positive_int(value: Any, name: str, hint: str = "") -> int:
@@ -312,3 +317,61 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
             f"{self.num_groups}, sample_rate={self.sample_rate}, steps={self.steps}, "
             f"public_size={self.public_size}, max_batch_size={self.max_batch_size})"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShuffledBatches:
+    """The batches of a plain loader (``poisson_sampling=False``): ``batches_per_epoch`` batches of
+    ``batch_size`` examples (the last may be smaller), each epoch a partition of the data.
+
+    Accounting. One batch is accounted as a Poisson sample at ``q = 1 / batches_per_epoch`` (the
+    approximation ``make_private`` warns about). A release of ``k`` batches of one epoch holds ``k``
+    disjoint draws without replacement: each example is in it at most once, with probability
+    ``k / batches_per_epoch``, so it is accounted as one step at ``min(1, k * q)`` (as Opacus does), and
+    its sum is divided by ``k * batch_size``. With ``k = batches_per_epoch`` every example is in the
+    release exactly once: a full-batch Gaussian (q = 1), which is exact.
+    """
+
+    batch_size: int
+    batches_per_epoch: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.batch_size, "batch_size")
+        _positive_int(self.batches_per_epoch, "batches_per_epoch")
+
+    @property
+    def sample_rate(self) -> float:
+        """The rate one batch is accounted at: ``1 / batches_per_epoch``."""
+        return 1.0 / self.batches_per_epoch
+
+    def batches_in(self, rows: int) -> int:
+        """How many of the loader's batches a release of ``rows`` distinct example rows holds.
+
+        Guarantee: ``ceil(rows / batch_size)``, at least 1, and it divides ``batches_per_epoch`` (or
+        ``ValueError`` naming both, before anything is released): then releases that start at an epoch's
+        start never span two epochs, so no example is in one release twice.
+
+        ====================================  =============================================
+        case                                  result
+        ====================================  =============================================
+        rows = 0 (an empty step)              1 (noise alone, accounted as one batch)
+        micro-batches of one batch            1 (rows of one batch)
+        the last, smaller batch of an epoch   counted as one batch (rounded up)
+        k does not divide batches_per_epoch   ValueError: a release could span two epochs
+                                              and hold an example twice
+        ====================================  =============================================
+        """
+        batches = max(1, math.ceil(rows / self.batch_size))
+        if batches > 1 and self.batches_per_epoch % batches:
+            raise ValueError(
+                f"this step accumulated {batches} batches of a loader of {self.batches_per_epoch} batches per "
+                f"epoch without Poisson sampling: {batches} does not divide {self.batches_per_epoch}, so a release "
+                f"would span two epochs and could hold an example twice, which the accounting (each example at most "
+                f"once per release) does not cover. Nothing was released. Accumulate a number of batches that "
+                f"divides len(loader), or use poisson_sampling=True (any number of batches is accounted)."
+            )
+        return batches
+
+    def release_sample_rate(self, batches: int) -> float:
+        """The rate a release of ``batches`` batches of one epoch is accounted at: ``min(1, batches * q)``."""
+        return min(1.0, batches / self.batches_per_epoch)

@@ -11,10 +11,15 @@ How the pieces meet:
   global step index, its cyclic group and its padding mask. The ticket is attached to the tensors of
   the batch (``tag_batch``) and queued on the loader (both in ``privacy_engine.training.batch_tickets``).
 - The wrapped module asks ``StepContract.resolve`` at every training forward which batch it is running
-  on: the ticket found on its input tensors, or, when the tensors were copied (``.to(device)``), the
-  oldest queued ticket of the same size. Consecutive forwards smaller than the batch are consecutive
-  slices of it (``x.split(n)`` micro-batches). A backward pass is clipped with the padding mask of its
-  own batch, so the mask travels with the batch whatever the iteration order.
+  on, identified exactly, never by its size: the ticket on its input tensors (valid until the tensor is
+  modified in place), or on the tagged batch they are views of (row slices, ``x.split(n)``, reshapes
+  that keep the batch dimension); else, for a copy (``.to(device)``, ``.clone()``, ``.contiguous()``,
+  ``.pin_memory()``), the draw whose rows its values equal, among the last ``RECENT_BATCHES`` (4)
+  batches of this optimizer's own loader (the copy is then tagged). A backward pass is clipped with the
+  padding mask of its own batch, so the mask travels with the batch whatever the iteration order.
+- Every ticket knows its loader (``BatchTicket.origin``); an optimizer has one loader
+  (``attach_loader``; a hand-built one adopts the loader of the first drawn batch it trains on) and
+  releases only that loader's draws: a batch of another loader is untracked, so refused at ``step()``.
 - A backward pass's per-sample contributions are clipped on their own unless they come from the same
   batch (same examples) as the previous pass, in which case they are summed per example first
   (hooks mode; fast clipping refuses, since its norms cannot be added).
@@ -44,14 +49,34 @@ exception in forward or backward            that batch's partial state is discar
 a batch skipped (empty, NaN loss, break)    never released; BandMF: its noise row is drawn and
                                             discarded and the step counted, so groups and noise rows
                                             stay tied to the loader's step index
-prefetcher / ``list(loader)``               tickets travel on the tensors; copied tensors are matched
-                                            by order and size; an ambiguous match that would change
-                                            the padding or the group raises ``RuntimeError``
+prefetcher / ``list(loader)``               tickets travel on the tensors (views of them included);
+                                            an exact copy of one of the loader's last 4 batches (or of
+                                            a run of its rows) is that batch (or those rows); a copy of
+                                            an older batch, or one that changes values (``dtype=``):
+                                            ``RuntimeError`` at ``step()`` saying to use
+                                            ``privacy_engine.move_to``; a copy whose values equal
+                                            several draws that differ: ``RuntimeError`` at the forward
+a buffer refilled in place (``copy_``)      its old tag is dropped; identified by its new values
+rows added, dropped, repeated or reordered  not that batch (``cat([x, x])``, ``x.flip(0)``): untracked,
+(``cat([x, x])``, ``x[perm]``)              ``RuntimeError`` at ``step()``; a tagged view whose rows
+                                            are not the forward's examples: ``RuntimeError`` at once
+a batch of another private loader (another  ``RuntimeError`` at ``step()``: its examples were sampled
+``make_private`` call's loader), or a copy  at that loader's rate, which this optimizer does not
+of one                                      account; ``attach_loader`` of a second loader: ValueError
 a batch from another source than the        ``RuntimeError`` at ``step()`` (it was not drawn by the
-private loader                              accounted sampling), unless it ran before the backward of a
-                                            drawn batch of the same size: then it holds other inputs
-                                            of those examples (a GAN's generated batch), row i joined
-                                            to example i and clipped with it
+private loader                              accounted sampling), unless it is joined (next row)
+untagged inputs of as many rows, run        joined row for row to the drawn batch's examples (a GAN
+before the backward of a drawn batch        discriminator's generated batch; an augmented copy) and
+(GAN: ``netD(real)``, ``netD(fake)``, one   clipped with them, if no row i equals a row of the pending
+backward)                                   batch or of the loader's last 4 batches other than example
+                                            i's own; otherwise ``RuntimeError`` at that forward (rows of
+                                            drawn data would be joined to other examples). Checked by
+                                            value: data merely derived from drawn rows is not caught
+``grad_sample_mode="no_op"``: grad_sample   ``RuntimeError`` at ``step()``, before anything is clipped:
+rows != the forward's examples              one row per drawn example of the last training forward
+``step()`` again with no new batch (no      ``RuntimeError``, nothing released or counted; a step
+training forward, no backward since the     whose batch is empty and skipped by the loop (no forward)
+last step)                                  releases noise alone and is counted
 a batch released after a later one         ``RuntimeError`` (BandMF rows must increase)
 ==========================================  ==========================================================
 """
@@ -66,7 +91,17 @@ from typing import Any
 
 import torch
 
-from privacy_engine.training.batch_tickets import BatchTicket, TicketQueue, find_ticket, iter_tensors
+from privacy_engine.training.batch_tickets import (
+    RECENT_BATCHES,
+    BatchTicket,
+    LoaderOrigin,
+    TicketQueue,
+    find_ticket,
+    iter_tensors,
+    row_runs,
+    shares_a_row,
+    tag_tensor,
+)
 
 __all__ = ["Release", "StepContract", "forget_wrapper", "register_optimizer", "register_wrapper"]
 
@@ -98,6 +133,34 @@ def forget_wrapper(wrapper: Any) -> None:
     _WRAPPERS.discard(wrapper)
 
 
+# ---------------------------------------------------------------------------------------------- refusals
+# Why a forward's batch is tied to no draw of this optimizer's loader (said by step() when it refuses).
+_UNTAGGED = (
+    "the model's inputs carry no batch tag, are no view of a batch, and their values equal no run of rows of "
+    f"the loader's last {RECENT_BATCHES} batches, so the engine cannot tell which examples they hold. Give the "
+    "model the batch as the loader yielded it (or a row slice or view of it), move it with "
+    "privacy_engine.move_to(batch, device) (which keeps the tag), and do any other preprocessing in the dataset or "
+    "collate_fn, or inside the model"
+)
+_DRAWN_ROWS = (
+    "a forward ran on untagged inputs before the backward of a drawn batch, as a generated (public) batch joined "
+    "row for row to that batch's examples would, but its row i equals a row of the loader's batches other than "
+    "example i's own: joined to example i, that row would be released outside its own clipping and accounting. "
+    "Between a drawn batch's forward and its backward, feed the model only generated inputs or the batch itself"
+)
+_TWO_BATCHES = "the model's inputs are copies of two different batches of the loader; give one batch per forward"
+
+
+def _foreign(ticket: BatchTicket, mine: LoaderOrigin | None) -> str:
+    theirs = "another private loader" if ticket.origin is None else ticket.origin.name
+    own = "" if mine is None else f" ({mine.name})"
+    return (
+        f"the batch of loader step {ticket.loader_step} was drawn by {theirs}, not by the loader this optimizer was "
+        f"made private with{own}: its examples were sampled at that loader's rate, which this optimizer's "
+        f"accounting does not record. Train each private model on the loader its own make_private call returned"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- release
 @dataclass(frozen=True)
 class Release:
@@ -105,6 +168,7 @@ class Release:
 
     draws: tuple[BatchTicket, ...]  # one ticket per distinct draw (whole-batch tickets)
     untracked: bool  # some contribution came from data no private loader drew
+    refusals: tuple[str, ...] = ()  # why some contributions could not be tied to a draw of this optimizer
 
     @property
     def num_draws(self) -> int:
@@ -128,20 +192,38 @@ class StepContract:
 
     def __init__(self) -> None:
         self._queues: list[TicketQueue] = []
+        # A hand-built optimizer (no loader attached): the loader of the first drawn batch it trains on.
+        self._adopted_origin: LoaderOrigin | None = None
         self._modules: weakref.WeakSet = weakref.WeakSet()
         self._contributions: list[BatchTicket] = []
         self.current: BatchTicket | None = None  # the batch of the newest training forward
-        self._slice_end: int | None = None  # rows of `current`'s draw used so far by consecutive slices
+        # The inputs of the newest forward on a drawn batch (until its step): what a joined batch is
+        # compared with, row by row.
+        self._pending_inputs: tuple[tuple[torch.Tensor, int], ...] = ()
         self._version_snapshot: tuple[int, ...] | None = None
-        self._last_input: weakref.ref | None = None
+        self._last_input: tuple[weakref.ref, int] | None = None  # the previous forward's first input, its version
         # Draws already released (a few recent ones suffice: a draw is only ever reused by the same loop).
         self._released_draws: collections.deque = collections.deque(maxlen=64)
         self.last_released_step: int | None = None
+        # Since the last release: a training forward ran or a pass contributed. True before the first
+        # release: only a step *again* without a batch is refused (a fresh optimizer's first step may
+        # release noise alone, as the bare optimizer's noise tests do).
+        self._new_batch = True
+        self._forwarded_draw: BatchTicket | None = None  # the newest drawn batch a forward ran on since
+        self._noise_only_draw: BatchTicket | None = None  # a draw released as noise alone by the open step
 
     # ---------------------------------------------------------------------------------------- wiring
     def attach_queue(self, queue: TicketQueue) -> None:
-        if all(existing is not queue for existing in self._queues):
-            self._queues.append(queue)
+        """Make ``queue``'s loader this optimizer's loader; ``ValueError`` if it has another one."""
+        if any(existing is queue for existing in self._queues):
+            return
+        if self._queues:
+            raise ValueError(
+                f"this optimizer already draws its batches from {self._queues[0].origin.name}: one optimizer "
+                f"releases the draws of one private loader, accounted at that loader's sample rate. Make a second "
+                f"model private with its own make_private call (it returns its own loader)."
+            )
+        self._queues.append(queue)
 
     def attach_module(self, module: Any) -> None:
         self._modules.add(module)
@@ -151,98 +233,169 @@ class StepContract:
         return bool(self._queues)
 
     @property
+    def origin(self) -> LoaderOrigin | None:
+        return self._queues[0].origin if self._queues else self._adopted_origin
+
+    @property
     def modules(self) -> list:
         return list(self._modules)
 
     # ---------------------------------------------------------------------------------------- forward
-    def resolve(self, args: tuple, kwargs: Mapping, batch_size: int, *, join_pending: bool = False) -> BatchTicket:
-        """The batch a training forward of ``batch_size`` examples runs on (see the module docstring):
-        the ticket on its input tensors; else the same batch as the previous forward if it gets the same
-        input tensor; else the next slice of a batch being split; else the oldest queued batch of that
-        size; else, when ``join_pending`` (the previous forward ran on a drawn batch whose backward has
-        not run yet), the same examples (other inputs for them: a GAN discriminator's generated batch,
-        row i joined to example i and clipped with it); else an untracked batch (data no private loader
-        drew)."""
-        first_input = next(iter(iter_tensors([args, kwargs])), None)
-        ticket = find_ticket(args, kwargs)
-        if ticket is not None:
-            for queue in self._queues:
-                queue.take(ticket)
-            rows = ticket.rows[1] - ticket.rows[0]
-            if rows != batch_size:
-                if ticket.part is not None or batch_size > ticket.size:
-                    raise RuntimeError(
-                        f"a forward ran on {batch_size} examples but its input belongs to a batch of {rows}: the "
-                        f"model must see exactly the drawn examples (each once per step); do not add rows"
-                    )
-                ticket = self._slice_of(ticket, batch_size)
-            else:
-                self._slice_end = None
-        elif first_input is not None and self._last_input is not None and self._last_input() is first_input:
-            ticket = self.current  # the same batch again (a second forward on the same tensor)
-        else:
-            ticket = self._continuing_slice(batch_size) if self.current is not None else None
-            if ticket is None:
-                candidates = [t for queue in self._queues for t in queue]
-                ticket = self._match_queued(candidates, batch_size) if candidates else None
-            current = self.current
-            if ticket is None and join_pending and current is not None and current.tracked:
-                if current.rows[1] - current.rows[0] == batch_size:
-                    ticket = current
-            if ticket is None:
-                ticket = BatchTicket(loader_step=None, size=batch_size)
-                self._slice_end = None
-        self.current = ticket
-        self._last_input = None if first_input is None else weakref.ref(first_input)
-        return ticket
+    def resolve(self, args: tuple, kwargs: Mapping, batch_size: int, *, batch_dim: int = 0,
+                join_pending: bool = False) -> BatchTicket:  # fmt: skip
+        """The batch a training forward of ``batch_size`` examples (along ``batch_dim`` of its inputs)
+        runs on, identified exactly (see the module docstring): the tag on its input tensors or on the
+        batch they are row views of; else, for an untagged tensor, the batch of the previous forward if
+        it is the same tensor object; else the batch whose rows its values equal (a copy: it is tagged);
+        else, when ``join_pending`` (a forward on a drawn batch ran and its backward has not), that
+        batch, if no input row equals a row of drawn data (a GAN's generated batch, row i joined to
+        example i); else an untracked batch, which ``step()`` refuses when a loader is attached.
 
-    def _continuing_slice(self, batch_size: int) -> BatchTicket | None:
-        """The next slice of the current draw, when the previous forwards used only part of it."""
-        if self._slice_end is None:
-            return None
-        current = self.current
-        if self._slice_end + batch_size > current.size:
-            return None
-        start = self._slice_end
-        self._slice_end = start + batch_size
-        if self._slice_end == current.size:
-            self._slice_end = None
-        whole = BatchTicket(loader_step=current.loader_step, size=current.size, group=current.group,
-                            padding_mask=current.padding_mask, draw=current.draw)  # fmt: skip
-        return whole.slice(start, start + batch_size)
+        Guarantee: the ticket returned is a draw of this optimizer's loader only if the forward's
+        inputs are exactly that draw's rows (tagged, a row view, or a value-equal copy), or inputs of
+        as many rows joined to them, none equal to a drawn row other than example i's own.
 
-    def _slice_of(self, ticket: BatchTicket, batch_size: int) -> BatchTicket:
-        if batch_size > ticket.size:
-            raise RuntimeError(
-                f"a forward ran on {batch_size} examples but the private loader's batch holds {ticket.size}: the "
-                f"model must see exactly the drawn examples (each once per step); do not add rows to the batch"
-            )
-        self._slice_end = batch_size if batch_size < ticket.size else None
-        return ticket.slice(0, batch_size)
-
-    def _match_queued(self, candidates: list[BatchTicket], batch_size: int) -> BatchTicket | None:
-        matching = [t for t in candidates if t.size == batch_size]
-        if matching:
-            chosen = matching[0]
-            later = [t for t in matching[1:] if chosen.differs_in_effect(t)]
-            if later:
+        =====================================  ==========================================
+        inputs                                 result
+        =====================================  ==========================================
+        tagged, or a row view of a tagged one  its draw (or the slice of it)
+        copy of a recent batch (or a run of    that draw (or slice); the copy is tagged
+        its rows)
+        copy equal to several draws            ``RuntimeError`` (cannot tell)
+        another loader's batch                 untracked: refused at ``step()``
+        drawn rows != ``batch_size``           ``RuntimeError``
+        untagged, a drawn batch awaiting its   that draw (joined); ``RuntimeError`` if a
+        backward, as many rows                 row equals another drawn row
+        anything else                          untracked: refused at ``step()`` when a
+                                               loader is attached
+        =====================================  ==========================================
+        """
+        self._new_batch = True
+        inputs = list(iter_tensors([args, kwargs]))
+        first_input = inputs[0] if inputs else None
+        holds_the_batch = True  # the inputs are (views or copies of) the batch, not inputs joined to it
+        ticket = find_ticket(args, kwargs, batch_dim=batch_dim)
+        if ticket is None and first_input is not None and self._last_input is not None:
+            last, version = self._last_input
+            if last() is first_input and first_input._version == version:
+                ticket = self.current  # the same (untagged, unmodified) tensor as the previous forward: that batch
+                holds_the_batch = False
+        refusal = ""
+        if ticket is None:
+            refusal = self._recognise_copies(inputs, batch_dim)
+            ticket = None if refusal else find_ticket(args, kwargs, batch_dim=batch_dim)
+        if ticket is not None and ticket.tracked:
+            ticket = self._own(ticket, batch_size)
+        if ticket is None:
+            ticket = self._join_or_untracked(inputs, batch_dim, batch_size, join_pending, refusal)
+            holds_the_batch = False
+        if ticket.tracked:
+            if ticket.num_rows != batch_size:
                 raise RuntimeError(
-                    "cannot tell which batch of the private loader this forward runs on: several batches of "
-                    f"{batch_size} examples were yielded and not yet used, with different padding or cyclic "
-                    "groups, and the tensors given to the model carry no batch tag (they were copied, e.g. by "
-                    ".to(device)). Move batches with privacy_engine.move_to(batch, device), which keeps the tag, "
-                    "or use each batch before drawing the next."
+                    f"a forward ran on {batch_size} examples but its input holds {ticket.num_rows} rows of the batch "
+                    f"of loader step {ticket.loader_step}: the model must see exactly the drawn examples, one row "
+                    f"each (do not add, drop or repeat rows; with batch_first=False the batch is dimension 1)"
                 )
             for queue in self._queues:
-                queue.take(chosen)
-            self._slice_end = None
-            return chosen
-        oldest = candidates[0]
-        if batch_size < oldest.size:
-            for queue in self._queues:
-                queue.take(oldest)
-            return self._slice_of(oldest, batch_size)
-        return None
+                queue.take(ticket)
+            self._forwarded_draw = ticket.whole()
+            if holds_the_batch:
+                self._pending_inputs = tuple((t, batch_dim) for t in inputs if t.dim() > batch_dim)
+        self.current = ticket
+        self._last_input = None if first_input is None else (weakref.ref(first_input), first_input._version)
+        return ticket
+
+    def _own(self, ticket: BatchTicket, batch_size: int) -> BatchTicket:
+        """``ticket`` if its loader is this optimizer's; else an untracked ticket saying why."""
+        if not self._queues and self._adopted_origin is None:
+            self._adopted_origin = ticket.origin  # hand-built: the first loader it trains on is its own
+        if ticket.origin is self.origin:
+            return ticket
+        return BatchTicket(loader_step=None, size=batch_size, refusal=_foreign(ticket, self.origin))
+
+    def _recognise_copies(self, inputs: list[torch.Tensor], batch_dim: int) -> str:
+        """Tag the untagged inputs whose values equal a run of rows of one recent batch of this
+        optimizer's loader (row i of the input along ``batch_dim`` equal to row a + i of the batch), with
+        that run's ticket. Returns why they cannot be tied to one batch ("" when they were tagged or
+        matched no batch)."""
+        recent = [(ticket, tensors) for queue in self._queues for ticket, tensors in queue.recent()]
+        if not recent:
+            return ""
+        matches: list[tuple[torch.Tensor, dict[int, list[BatchTicket]]]] = []
+        seen: set[int] = set()
+        for target in inputs:
+            if id(target) in seen or target.dim() <= batch_dim or find_ticket(target, batch_dim=batch_dim):
+                continue
+            seen.add(id(target))
+            count = target.shape[batch_dim]
+            found: dict[int, list[BatchTicket]] = {}
+            for ticket, tensors in recent:
+                for batch_tensor in tensors:
+                    for start in row_runs(target, batch_dim, batch_tensor):
+                        whole = (start, count) == (0, ticket.num_rows)
+                        run = ticket if whole else ticket.slice(start, start + count)
+                        found.setdefault(id(ticket.draw), []).append(run)
+            if found:
+                matches.append((target, found))
+        if not matches:
+            return ""
+        common = set.intersection(*(set(found) for _, found in matches))
+        if not common:
+            return _TWO_BATCHES
+        draws = [ticket for ticket, _ in recent if id(ticket.draw) in common]
+        chosen = draws[0]
+        if len(draws) > 1:
+            queued = [t for t in draws if any(t in queue for queue in self._queues)]
+            chosen = queued[0] if queued else draws[-1]
+            empty = all(run.num_rows == 0 for _, found in matches for runs in found.values() for run in runs)
+            if not empty or any(chosen.differs_in_effect(other) for other in draws):
+                raise RuntimeError(
+                    f"cannot tell which batch of the private loader this forward runs on: its inputs are untagged "
+                    f"copies whose values equal {len(draws)} different batches the loader yielded (loader steps "
+                    f"{[t.loader_step for t in draws]}). Move batches with privacy_engine.move_to(batch, device), "
+                    f"which keeps the tag, or give the model the batch as the loader yielded it."
+                )
+        for target, found in matches:
+            runs = found[id(chosen.draw)]
+            if any(runs[0].differs_in_effect(other) for other in runs[1:]):
+                raise RuntimeError(
+                    f"cannot tell which rows of the batch of loader step {chosen.loader_step} this forward runs on: "
+                    f"its untagged input equals several runs of that batch's rows with different padding. Move "
+                    f"batches with privacy_engine.move_to(batch, device), which keeps the tag."
+                )
+            tag_tensor(target, runs[0])
+        return ""
+
+    def _join_or_untracked(self, inputs: list[torch.Tensor], batch_dim: int, batch_size: int, join_pending: bool,
+                           refusal: str) -> BatchTicket:  # fmt: skip
+        """The pending drawn batch, for a batch joined row for row to its examples (a GAN's generated
+        batch), or an untracked ticket saying why it is neither (``refusal``, when already known)."""
+        current = self.current
+        conflict = bool(refusal)
+        refusal = refusal or _UNTAGGED
+        if join_pending and not conflict and current is not None and current.tracked and current.num_rows == batch_size:
+            if self._holds_drawn_rows(inputs, batch_dim):
+                raise RuntimeError(_DRAWN_ROWS + ". Nothing was released or counted.")
+            return current
+        return BatchTicket(loader_step=None, size=batch_size, refusal=refusal if self._queues else "")
+
+    def _holds_drawn_rows(self, inputs: list[torch.Tensor], batch_dim: int) -> bool:
+        """Whether a row ``i`` of ``inputs`` equals a row of the pending drawn batch's inputs or of a
+        recent batch of this optimizer's loader (value for value), other than example ``i``'s own row
+        (an input that leaves some examples unchanged, e.g. a random augmentation, is theirs)."""
+        current = self.current
+        references = [(t, dim, 0) for t, dim in self._pending_inputs]
+        for queue in self._queues:
+            for ticket, tensors in queue.recent():
+                aligned_at = current.rows[0] if ticket.draw is current.draw else None
+                references += [(t, 0, aligned_at) for t in tensors]
+        for tensor in inputs:
+            if tensor.dim() <= batch_dim:
+                continue
+            for reference, dim, aligned_at in references:
+                if shares_a_row(tensor, batch_dim, reference, dim, aligned_at=aligned_at):
+                    return True
+        return False
 
     def abandon(self, ticket: BatchTicket) -> None:
         """A forward's batch whose backward never ran: it may still be used by a later forward."""
@@ -273,6 +426,7 @@ class StepContract:
     def contributed(self, ticket: BatchTicket) -> None:
         """A backward pass over ``ticket``'s rows reached the clipper."""
         self._contributions.append(ticket)
+        self._new_batch = True
 
     def already_contributed(self, ticket: BatchTicket) -> bool:
         return any(t.same_rows(ticket) for t in self._contributions)
@@ -282,9 +436,12 @@ class StepContract:
         """What the step about to be released contains (the contributions since the last step)."""
         draws: dict[int, BatchTicket] = {}
         untracked = False
+        refusals: list[str] = []
         for ticket in self._contributions:
             if not ticket.tracked:
                 untracked = True
+                if ticket.refusal and ticket.refusal not in refusals:
+                    refusals.append(ticket.refusal)
                 continue
             draws.setdefault(id(ticket.draw), ticket)
         ordered = tuple(sorted(draws.values(), key=lambda t: t.loader_step))
@@ -295,22 +452,44 @@ class StepContract:
                     f"release of the same draw is not a fresh sample, and the accounting assumes one. Draw a new batch "
                     f"for every optimizer.step()."
                 )
-        return Release(draws=ordered, untracked=untracked)
+        return Release(draws=ordered, untracked=untracked, refusals=tuple(refusals))
+
+    @property
+    def has_new_batch(self) -> bool:
+        """Whether a step may release now: since the last release a training forward ran or a
+        backward pass contributed, or the oldest batch the loader yielded and no forward used is empty
+        (a loop that skips an empty batch's forward and backward but steps)."""
+        return self._new_batch or self._unused_empty_draw() is not None
+
+    def _unused_empty_draw(self) -> BatchTicket | None:
+        for queue in self._queues:
+            for queued in queue:
+                return queued if queued.size == 0 else None
+        return None
 
     def take_unused_draw(self) -> BatchTicket | None:
-        """For a step with no contribution: the oldest yielded batch that no forward used (an empty
-        batch whose backward the loop skipped), which this step then releases (as noise alone)."""
-        for queue in self._queues:
-            for ticket in queue:
+        """For a step with no contribution, the batch it releases (as noise alone): the drawn batch a
+        forward ran on since the last release (its backward skipped, e.g. an empty batch), else the
+        oldest yielded batch if it is empty and no forward used it."""
+        ticket = self._forwarded_draw
+        if ticket is None or any(ticket.draw is done for done in self._released_draws):
+            ticket = self._unused_empty_draw()
+            for queue in self._queues if ticket is not None else ():
                 queue.take(ticket)
-                return ticket
-        return None
+        self._noise_only_draw = ticket
+        return ticket
 
     def released(self, release: Release, loader_step: int | None) -> None:
         """Forget the open step's contributions after a release (or a discarded logical step)."""
         self._contributions = []
         self._version_snapshot = None
         self._released_draws.extend(ticket.draw for ticket in release.draws)
+        if self._noise_only_draw is not None:
+            self._released_draws.append(self._noise_only_draw.draw)
+        self._noise_only_draw = None
+        self._forwarded_draw = None
+        self._pending_inputs = ()
+        self._new_batch = False
         if loader_step is not None:
             self.last_released_step = loader_step
 

@@ -55,6 +55,8 @@ from privacy_engine.engine.checkpoint.contents import (
 from privacy_engine.engine.checkpoint.engine_state import (
     PLAN_FIELDS_TO_MATCH,
     check_engine_state,
+    check_restored_source,
+    ledger_after_restore,
     plan_from_dict,
     plan_to_dict,
 )
@@ -93,7 +95,9 @@ __all__ = [
     "check_loader_state",
     "check_module_state",
     "check_plain",
+    "check_restored_source",
     "display_name",
+    "ledger_after_restore",
     "plan_from_dict",
     "plan_to_dict",
     "read_checkpoint",

@@ -20,6 +20,7 @@ from privacy_engine.engine.checkpoint.contents import (
     is_cyclic_loader_state,
     needs_loader,
 )
+from privacy_engine.engine.checkpoint.engine_state import check_restored_source
 
 __all__ = ["check_loader_state", "check_module_state", "sampling_generator_kind", "validate"]
 
@@ -171,6 +172,7 @@ def validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: Any
                 "make the same optimizer private as in the saved run"
             )
         optimizer.check_state_dict(checkpoint[OPTIMIZER_KEY])
+        check_restored_source(engine, optimizer, checkpoint.get(METADATA_KEY, {}).get("optimizer_source"))
     loader_state = checkpoint.get(LOADER_KEY)
     if data_loader is not None:
         if loader_state is None:

@@ -93,6 +93,8 @@ def build_checkpoint(
     if optimizer is not None:
         checkpoint[OPTIMIZER_KEY] = optimizer.state_dict()
         metadata["optimizer_class"] = type(optimizer.original_optimizer).__qualname__
+        # Whose ledger entries a restore with this optimizer replaces (the others' are kept).
+        metadata["optimizer_source"] = str(getattr(optimizer, "source", ""))
     if data_loader is not None:
         checkpoint[LOADER_KEY] = data_loader.state_dict()
         if optimizer is not None:

@@ -9,7 +9,8 @@ from typing import Any
 
 from privacy_engine.engine.noise_plan import BandCandidate, NoisePlan
 
-__all__ = ["PLAN_FIELDS_TO_MATCH", "check_engine_state", "plan_from_dict", "plan_to_dict"]
+__all__ = ["PLAN_FIELDS_TO_MATCH", "check_engine_state", "check_restored_source", "ledger_after_restore",
+           "plan_from_dict", "plan_to_dict"]
 
 def plan_to_dict(plan: Any) -> dict | None:
     """A ``NoisePlan`` as plain data (None stays None)."""
@@ -82,3 +83,61 @@ def check_engine_state(engine: Any, state: Any) -> Any:
                     f"{field}={value!r}: call make_private with the settings of the saved run"
                 )
     return plan
+
+
+def check_restored_source(engine: Any, optimizer: Any, saved_source: Any) -> None:
+    """Raise ValueError unless the optimizer given to a restore is the one whose ledger entries the
+    file saved under ``saved_source`` (entries are labelled by the order of ``make_private`` calls on
+    an engine: ``""`` for the first, ``"1"`` for the second, ...). Changes nothing."""
+    if optimizer is None or saved_source is None:
+        return
+    current = getattr(optimizer, "source", "")
+    if str(saved_source) != current:
+        def nth(source: str) -> str:
+            return "#1" if source == "" else f"#{int(source) + 1}" if source.isdigit() else repr(source)
+
+        raise ValueError(
+            f"its optimizer came from make_private call {nth(str(saved_source))} on its engine, the optimizer given "
+            f"from call {nth(current)}: the saved optimizer's ledger entries would be restored as another "
+            f"optimizer's. Call make_private for the models in the same order as in the saved run"
+        )
+
+
+def ledger_after_restore(engine: Any, saved_accountant_state: Mapping, *, restored_source: str | None) -> dict:
+    """The accountant state a restore loads: the saved entries of ``restored_source`` (the optimizer
+    restored) and, for every other source, the longer of its current and saved entries.
+
+    Guarantee: a restore never removes a step of an optimizer it does not restore. A rolled-back
+    optimizer's entries become the saved ones (its releases after the save are undone with it, as in a
+    single-model resume); another optimizer's entries are the current ones (a rollback on a live engine:
+    they already hold the saved ones and more) unless the file holds more of its steps (a resume in a new
+    process, where they are not recorded yet). Changes nothing.
+
+    ==========================================  =============================================
+    case                                        ledger after the restore
+    ==========================================  =============================================
+    one optimizer on the engine and in the      the saved ledger (a resume or a rollback)
+    file, no ``restored_source``
+    ``restored_source`` s (optimizer= given)    saved entries of s + each other source's
+                                                longer history (current or saved)
+    several sources, no optimizer= given        each source's longer history: nothing is
+                                                rolled back (which optimizer is meant is
+                                                unknown)
+    ==========================================  =============================================
+    """
+    state = dict(saved_accountant_state)
+    saved = [dict(entry) for entry in state["history"]]
+    current = [entry.to_dict() for entry in engine.accountant.history]
+    sources = {str(entry.get("source", "")) for entry in saved + current}
+    single = getattr(engine, "_optimizers_made", 0) <= 1 and sources <= {""}
+    if single and restored_source in (None, ""):
+        return state
+
+    def steps(entries: list[dict], source: str) -> int:
+        return sum(int(e["num_steps"]) for e in entries if str(e.get("source", "")) == source)
+
+    kept_current = {t for t in sources if t != restored_source and steps(current, t) >= steps(saved, t)}
+    history = [e for e in current if str(e.get("source", "")) in kept_current]
+    history += [e for e in saved if str(e.get("source", "")) not in kept_current]
+    state["history"] = history
+    return state

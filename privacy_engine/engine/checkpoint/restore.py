@@ -77,6 +77,7 @@ def restore_checkpoint(
     model keys, shapes, dtypes                      the first differing key
     optimizer= given, none in the file              optimizer
     optimizer class, groups, state shapes           the group / parameter
+    optimizer made private in another position      the make_private call of each
     noise mechanism, coefficients, layout           the noise state field
     clipper bounds / mode                           the clipper field
     data_loader= given, none in the file            data_loader
@@ -84,6 +85,12 @@ def restore_checkpoint(
     BandMF without loader state or loader           data_loader
     scheduler given, none in the file               the scheduler
     ==============================================  ============================================
+
+    The ledger. On an engine shared by several private optimizers, only the entries of the optimizer
+    restored (``optimizer=``) are replaced by the saved ones; every other optimizer keeps its steps
+    (``engine_state.ledger_after_restore``), so rolling back one model never erases another's privacy
+    cost. The optimizer given must have been made private in the same position (first, second, ...) as
+    the saved one (``CheckpointError`` otherwise).
 
     Exact or fresh noise. The saved noise generators continue only if the resume is exact: the
     loader's state is restored and no drawn batch was waiting for its step when the file was saved.
@@ -143,7 +150,7 @@ def _restore_parts(engine: Any, checkpoint: dict, undo: list, *, module: nn.Modu
     """Load every part, appending to ``undo`` how to put each one back before changing it."""
     engine_backup = engine.state_dict(), engine.noise_plan
     undo.append(lambda: _restore_engine(engine, engine_backup))
-    engine.load_state_dict(checkpoint[ENGINE_KEY])
+    engine.load_state_dict(checkpoint[ENGINE_KEY], optimizer=optimizer)
     if data_loader is not None:
         loader_backup = data_loader.state_dict()
         undo.append(lambda: data_loader.load_state_dict(loader_backup))

@@ -1,0 +1,532 @@
+"""The independence check: DP-SGD's bound assumes example ``i``'s gradient depends on example ``i`` alone.
+Clipping that gradient then bounds what ``i`` adds to the step. A forward that mixes the examples of a
+batch (batch statistics, a layer run time-major inside a batch-first model) or a loss that couples them
+(``capture.loss_coupling``) breaks the assumption silently: the released step moves by several times the
+clipping bound when one example is removed.
+
+``IndependenceGuard`` (one per wrapper, its state declared here) runs, on each training forward of the
+wrapper (training mode, gradients on):
+
+- every forward, O(#modules) Python: (1) the modules' train/eval structure; when it changed since the last
+  training forward, the wrap-time checks (``models.validation.find_problems``) run again and the checks
+  below are re-armed; (2) the ``_version`` of every buffer before and after the forward: a buffer written
+  in place during a training forward (running statistics, by any module) is refused, naming it;
+- at the first training forward of a structure (on batches of 2 or more examples), before the output is
+  handed back: the *row check*. The forward runs twice more under ``no_grad``, deterministically (random
+  ops replaced, see ``DeterministicRandom``; RNG state and buffers restored afterwards), on the full batch
+  and on a sub-batch of its first examples. Every module's inputs and outputs are compared row by row (a
+  fingerprint per row): the first module whose output rows for the sub-batch differ from the same rows
+  for the full batch (while its inputs agreed) mixes examples; a module whose input does not carry the
+  examples at the batch dim (a layer run ``(T, B, F)`` inside a batch-first model) is named as such. The
+  cross-entropy rules of ``loss_coupling`` run in the full forward too (a loss computed inside it), and a
+  buffer the forward changed by value (in place or reassigned) is refused;
+- after that forward, until ``backward``: ``loss_coupling.LossCouplingMonitor`` on the outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from privacy_engine.capture.loss_coupling import LossCouplingMonitor, insert_function_mode, remove_function_mode
+from privacy_engine.models.validation import (
+    InteractingExamplesError,
+    UnsupportedModuleError,
+    find_problems,
+    module_label,
+)
+
+__all__ = ["DeterministicRandom", "IndependenceGuard"]
+
+SUB_BATCH_ROWS = 2  # rows of the sub-batch (fewer when the batch is smaller): its activations are recorded
+_WRAPPER_STATE = ("_forward_batch", "_input_batch", "_forward_single", "_forward_broadcast", "_in_forward")
+
+
+class IndependenceGuard:
+    """Refuses forwards and losses in which the examples of a batch interact (see the module docstring).
+
+    Guarantee: a training forward of the wrapper raises ``InteractingExamplesError`` (``strict=False``: warns)
+    before returning its output, so before any backward, clipping, noise or accounting, when
+
+    ==================================================  ================================================
+    case                                                result
+    ==================================================  ================================================
+    a buffer written in place during the forward        refused at every training forward, naming
+    (running stats, ``num_batches_tracked``, counters)  ``module.buffer`` (restored at the first step)
+    a module whose output rows depend on other rows     refused at the first training forward of each
+    (``F.batch_norm(training=True)``, ``x - x.mean(0)``,  train/eval structure, naming the innermost such
+    LayerNorm over the batch dim, a batch-size MoE)     module (on batches of >= 2 examples)
+    a layer's input without the examples at batch_dim   refused (first step), naming the layer
+    buffer changed by value (reassigned) in a forward   refused (first step)
+    cross_entropy/nll_loss coupling inside the forward  refused (first step; see ``loss_coupling``)
+    the user's loss couples examples                    refused while it is computed (first step)
+    the model turned train -> eval -> train, or a       wrap-time checks re-run (InstanceNorm
+    submodule's mode changed                            ``track_running_stats`` in training), re-checked
+    sub-batch forward fails, or a mismatch with          warning: independence cannot be verified (the
+    arguments the check cannot split per example        slicing, not the model, may cause the mismatch)
+    wrapper not bound to a private optimizer            nothing checked (nothing is released)
+    batch of 1 example / nothing trainable ran          row check deferred to the next forward
+    dropout and other random ops                        replaced by deterministic ones for the check
+    eval mode / ``no_grad``                             nothing checked (no gradient, no buffer rule)
+    ==================================================  ================================================
+
+    Not covered: coupling that shows only on other batches than the checked one (data-dependent control
+    flow, targets that hit ``ignore_index`` only later), a coupled loss computed from tensors the monitor
+    cannot see as the outputs' (copied out with ``.tolist()``), and buffers reassigned (not written in
+    place) after the first step.
+    """
+
+    def __init__(self, module: nn.Module, *, batch_dim: int, strict: bool) -> None:
+        self.module = module
+        self.batch_dim = batch_dim
+        self.strict = strict
+        self.modules = list(module.named_modules())
+        self.buffer_slots = [(path, m, name) for path, m in self.modules for name in m._buffers]
+        # The structure the wrap-time checks saw (they ran just before): re-checked when it changes.
+        self.structure: tuple[bool, ...] = tuple(m.training for _, m in self.modules)
+        self.verified = False  # the row check passed for the current structure
+        self.monitor: LossCouplingMonitor | None = None
+        self._monitor_handles: list = []
+        self._versions: list[tuple[torch.Tensor | None, int]] = []
+        self._snapshot: list[torch.Tensor | None] | None = None  # buffer copies while a check is pending
+
+    # ------------------------------------------------------------------ every forward
+    def end_loss_monitor(self) -> None:
+        """Called at the start of every forward of the wrapper: the previous step's loss is over."""
+        if self.monitor is not None:
+            self.monitor.active = False
+            remove_function_mode(self.monitor)
+            self.monitor = None
+        while self._monitor_handles:
+            self._monitor_handles.pop().remove()
+
+    def before_training_forward(self) -> None:
+        structure = tuple(m.training for _, m in self.modules)
+        if structure != self.structure:
+            self.structure, self.verified = structure, False
+            problems = find_problems(self.module)
+            if problems:
+                self._report("cannot compute per-sample gradients:\n- " + "\n- ".join(problems), UnsupportedModuleError)
+        if not self.verified:
+            self._snapshot = [_copy(self._buffer(slot)) for slot in self.buffer_slots]
+        self._versions = [(b, b._version if b is not None else 0) for b in map(self._buffer, self.buffer_slots)]
+
+    def after_training_forward(self, wrapper, args, kwargs, output) -> None:
+        try:
+            for slot, (before, version) in zip(self.buffer_slots, self._versions):
+                after = self._buffer(slot)
+                if after is not None and after is before and after._version != version:
+                    self._restore_buffers()
+                    self._report(_buffer_written(slot, restored=self._snapshot is not None))
+            if self.verified:
+                return
+            batch_size = wrapper._forward_batch_size()
+            if batch_size is None or batch_size < 2:
+                return  # nothing to compare rows with: checked at a later forward
+            problem, unverifiable = self._row_check(wrapper, args, kwargs, batch_size)
+            if unverifiable is not None:
+                warnings.warn(unverifiable, stacklevel=4)
+            elif problem is not None:
+                self._restore_buffers()
+                self._report(problem)
+            self.verified = True
+            if wrapper._consumer is not None:  # a private optimizer will release this step: watch its loss
+                self._start_loss_monitor(wrapper._consumer, batch_size, output)
+        finally:
+            self._snapshot = None
+            self._versions = []
+
+    def _start_loss_monitor(self, optimizer, batch_size: int, output) -> None:
+        """Watch the loss computed from ``output`` until backward (``loss_coupling``). The mode is taken off
+        the stack at the optimizer's step, the next forward or ``to_standard_module``, whichever comes first."""
+        monitor = LossCouplingMonitor(batch_size=batch_size, batch_dim=self.batch_dim, strict=self.strict, tracked=output, owner=self)
+        insert_function_mode(monitor)
+        self.monitor = monitor
+        if hasattr(optimizer, "register_step_pre_hook"):
+            # Removes the mode, not itself (the optimizer is iterating its hooks): end_loss_monitor does.
+            self._monitor_handles.append(optimizer.register_step_pre_hook(lambda *_: remove_function_mode(monitor)))
+
+    # ------------------------------------------------------------------ the first-step row check
+    def _row_check(self, wrapper, args, kwargs, batch_size: int) -> tuple[str | None, str | None]:
+        """``(problem, unverifiable)``: the coupling found (None: none), or why the check could not decide.
+
+        The check can only slice what it knows to be per-example: tensors with ``batch_size`` entries at the
+        batch dim. A forward that also takes tensors of another leading size (a flat index list with offsets,
+        a ``(B * heads, T, S)`` mask) or that fails on the sub-batch cannot be judged: a mismatch there may
+        come from the slicing, not from the model, so it is reported as unverifiable (a warning), not as
+        coupling."""
+        unsliced: list[tuple[int, ...]] = []
+        rows = torch.arange(min(SUB_BATCH_ROWS, batch_size - 1))
+        device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        if device is not None:
+            rows = rows.to(device)
+        dim = self.batch_dim
+
+        def take_rows(leaf):
+            if isinstance(leaf, PackedSequence):  # a batch of sequences: unpack, take the rows, pack again
+                padded, lengths = pad_packed_sequence(leaf)
+                return pack_padded_sequence(padded.index_select(1, rows), lengths.index_select(0, rows.cpu()), enforce_sorted=False)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == batch_size:
+                return leaf.index_select(dim, rows)
+            if isinstance(leaf, torch.Tensor) and dim != 0 and leaf.dim() > 1 and leaf.shape[0] == batch_size:
+                return leaf.index_select(0, rows)  # batch-first arguments of a time-major model (padding masks)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
+                unsliced.append(tuple(leaf.shape))
+            return leaf
+
+        sub_args, sub_kwargs = tree_map(take_rows, (args, kwargs), is_leaf=lambda v: isinstance(v, PackedSequence))
+        saved = {name: getattr(wrapper, name) for name in _WRAPPER_STATE}
+        probe = _RowProbe(self.modules, dim, batch_size, rows, hooked=set(wrapper._owner_paths.values()))
+        devices = sorted({b.device.index for b in self.module.buffers() if b.is_cuda} | {p.device.index for p in self.module.parameters() if p.is_cuda})
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), DeterministicRandom(), _without_forward_hooks(self.modules):
+                wrapper._in_forward = True
+                try:
+                    with probe.recording():
+                        self.module(*sub_args, **sub_kwargs)
+                except InteractingExamplesError:
+                    raise
+                except Exception as error:  # noqa: BLE001  (reported as "cannot verify", with the cause)
+                    return None, _cannot_verify(len(rows), batch_size, dim, error)
+                changed = self._changed_buffers()
+                if changed:
+                    return changed, None
+                # A loss computed inside the forward: the cross-entropy rules, unless the wrapper's Hugging Face
+                # loss hooks (integrations.hf_losses, not run here) replace it by a per-example loss.
+                rules = LossCouplingMonitor(batch_size=batch_size, batch_dim=dim, strict=True)
+                if getattr(wrapper, "_hf_losses", None) is not None:
+                    rules = contextlib.nullcontext()
+                try:
+                    with probe.comparing(), rules:
+                        self.module(*args, **kwargs)
+                except _Mismatch:
+                    pass
+                except InteractingExamplesError as error:
+                    return str(error), None
+                except Exception as error:  # noqa: BLE001
+                    return None, _cannot_verify(batch_size, batch_size, dim, error)
+                changed = self._changed_buffers()
+                if changed:
+                    return changed, None
+                if probe.problem is not None and unsliced:
+                    return None, _unsliced_arguments(batch_size, dim, unsliced, probe.problem)
+                return probe.problem, None
+        finally:
+            self._restore_buffers()
+            for name, value in saved.items():
+                setattr(wrapper, name, value)
+
+    # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _buffer(slot) -> torch.Tensor | None:
+        _, module, name = slot
+        return module._buffers.get(name)
+
+    def _changed_buffers(self) -> str | None:
+        """A buffer whose value or identity changed since the snapshot (and restore it)."""
+        if self._snapshot is None:
+            return None
+        for slot, copy in zip(self.buffer_slots, self._snapshot):
+            current = self._buffer(slot)
+            if (current is None) != (copy is None):
+                return _buffer_written(slot, restored=True)
+            if current is not None and not _same_buffer(current, copy):
+                return _buffer_written(slot, restored=True)
+        return None
+
+    def _restore_buffers(self) -> None:
+        if self._snapshot is None:
+            return
+        with torch.no_grad():
+            for (path, module, name), copy in zip(self.buffer_slots, self._snapshot):
+                current = module._buffers.get(name)
+                if copy is None or current is None or current.shape != copy.shape:
+                    module._buffers[name] = copy
+                elif not _same_buffer(current, copy):
+                    current.copy_(copy)
+
+    def _report(self, problem: str, error=InteractingExamplesError) -> None:
+        if self.strict:
+            raise error(problem)
+        warnings.warn(f"strict=False: {problem}", stacklevel=4)
+
+
+class _Mismatch(Exception):
+    """Stops the comparing forward at the first module whose rows disagree (``_RowProbe.problem`` says why)."""
+
+
+class _RowProbe:
+    """Forward hooks on every module: record a fingerprint of each module's inputs and outputs on the
+    sub-batch, then compare them with the same rows on the full batch, in call order.
+
+    Where the examples must sit: at dim 0 in a batch-first wrapper for the inputs and outputs of the layers
+    the engine computes per-example gradients of (``hooked``: it reads the examples there), unless the layer
+    declares its own layout (``batch_first``: ``nn.MultiheadAttention``, recurrent layers, which the engine
+    follows); anywhere for other modules (a container may work time-major internally), as long as one dim
+    holds them.
+    """
+
+    def __init__(self, modules, batch_dim: int, batch_size: int, rows: torch.Tensor, hooked: set[str]) -> None:
+        self.modules = modules
+        self.batch_dim = batch_dim
+        self.batch_size = batch_size
+        self.rows = rows
+        # Batch-first wrappers only: with batch_first=False some layers still read dim 0 (cells, conv, embeddings).
+        self.fixed_dim = {
+            path: 0 for path, module in modules if batch_dim == 0 and path in hooked and _declares_layout(module) is None
+        }
+        self.events: list[tuple[str, str, list]] = []
+        self.position = 0
+        self.problem: str | None = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        with self._hooks(self._record):
+            yield
+
+    @contextlib.contextmanager
+    def comparing(self):
+        self.position = 0
+        with self._hooks(self._compare):
+            yield
+
+    @contextlib.contextmanager
+    def _hooks(self, on_event):
+        handles = []
+        try:
+            for path, module in self.modules:
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, path=path: on_event("input", path, (a, k)), with_kwargs=True, prepend=True))
+                handles.append(module.register_forward_hook(lambda m, a, o, path=path: on_event("output", path, o)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _record(self, kind: str, path: str, value) -> None:
+        leaves = _tensor_leaves(value)
+        rows = len(self.rows)
+        # One fingerprint per dim that could hold the sub-batch's examples (the comparison picks one).
+        prints = [(tuple(t.shape), {d: _fingerprint(t, d) for d in range(t.dim()) if t.shape[d] == rows}) for t in leaves]
+        self.events.append((kind, path, prints))
+
+    def _compare(self, kind: str, path: str, value) -> None:
+        if self.position >= len(self.events) or self.events[self.position][:2] != (kind, path):
+            expected = self.events[self.position][1] if self.position < len(self.events) else None
+            self._stop(
+                f"the forward runs different modules on a sub-batch than on the full batch ({module_label(path)} "
+                f"where the sub-batch ran {'nothing' if expected is None else module_label(expected)}): its control "
+                f"flow depends on the batch as a whole, so examples interact."
+            )
+        recorded = self.events[self.position][2]
+        self.position += 1
+        leaves = _tensor_leaves(value)
+        if len(leaves) != len(recorded):
+            # Optional tensors that depend on the data, not on other examples (Hugging Face drops an attention
+            # mask with nothing padded): nothing to align here; the module's output is still compared.
+            return
+        for full, (sub_shape, sub_prints) in zip(leaves, recorded):
+            if tuple(full.shape) == sub_shape:
+                continue  # not a tensor of the batch (a mask, position ids, a scalar)
+            dim = self._examples_dim(tuple(full.shape), sub_shape, path)
+            if dim is None:
+                self._stop(_shape_problem(kind, path, tuple(full.shape), sub_shape, self.batch_size, len(self.rows), self.fixed_dim.get(path)))
+            if not _same_rows(_fingerprint(full.index_select(dim, self.rows), dim), sub_prints.get(dim), full.dtype):
+                self._stop(_value_problem(kind, path, self.modules))
+
+    def _examples_dim(self, full_shape: tuple, sub_shape: tuple, path: str) -> int | None:
+        """The dim holding the examples: the only one where the shapes differ, B for the full batch and the
+        sub-batch's size for the sub-batch (and the layer's fixed dim, where the engine reads them there)."""
+        if len(full_shape) != len(sub_shape):
+            return None
+        differing = [d for d, (a, b) in enumerate(zip(full_shape, sub_shape)) if a != b]
+        if len(differing) != 1:
+            return None
+        dim = differing[0]
+        if full_shape[dim] != self.batch_size or sub_shape[dim] != len(self.rows):
+            return None
+        fixed = self.fixed_dim.get(path)
+        return dim if fixed is None or fixed == dim else None
+
+    def _stop(self, problem: str):
+        self.problem = problem
+        raise _Mismatch(problem)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called", "_global_forward_pre_hooks")
+
+
+@contextlib.contextmanager
+def _without_forward_hooks(modules):
+    """The check's forwards run without the forward hooks of the model, the engine and the user (global ones
+    included): they are not training forwards, and a hook (logging activations, registering gradient hooks)
+    must see only those. The probe's own hooks go on the emptied dicts."""
+    saved = [(module, {name: getattr(module, name) for name in _HOOK_DICTS}) for _, module in modules]
+    saved_global = {name: getattr(module_globals, name) for name in _GLOBAL_HOOK_DICTS}
+    try:
+        for _, module in modules:
+            for name in _HOOK_DICTS:
+                setattr(module, name, OrderedDict())
+        for name in _GLOBAL_HOOK_DICTS:
+            setattr(module_globals, name, OrderedDict())
+        yield
+    finally:
+        for module, hooks in saved:
+            for name, value in hooks.items():
+                setattr(module, name, value)
+        for name, value in saved_global.items():
+            setattr(module_globals, name, value)
+
+
+def _tensor_leaves(value) -> list[torch.Tensor]:
+    """The tensors of a module's inputs or outputs, except a PackedSequence's (its examples are interleaved
+    along one dim: no rows to compare; the module that packs and unpacks it is compared instead)."""
+    value = tree_map(lambda v: None if isinstance(v, PackedSequence) else v, value, is_leaf=lambda v: isinstance(v, PackedSequence))
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _declares_layout(module: nn.Module) -> bool | None:
+    declared = getattr(module, "batch_first", None)
+    return declared if isinstance(declared, bool) else None
+
+
+def _fingerprint(tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Per row (example): sum, sum of |x|, sum of x^2 and a sum with fixed irregular weights, in float64."""
+    if tensor.dim() <= dim or tensor.shape[dim] == 0 or tensor.is_sparse or tensor.is_complex() or tensor.is_nested:
+        return None  # (not compared: no rows to read)
+    rows = tensor.detach().movedim(dim, 0).reshape(tensor.shape[dim], -1).to(torch.float64)
+    weights = torch.arange(rows.shape[1], dtype=torch.float64, device=rows.device).mul_(0.6180339887498949).frac_()
+    return torch.stack((rows.sum(1), rows.abs().sum(1), rows.square().sum(1), rows @ weights), dim=1)
+
+
+def _same_rows(full: torch.Tensor | None, sub: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    if full is None or sub is None:
+        return full is None and sub is None
+    # Relative to each row's size: the same computation at another batch size rounds differently
+    # (blocked matrix products), by a few units of the dtype's precision; interactions change rows by O(1).
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    tolerance = max(1e-4, 64 * eps)
+    scale = torch.stack((full[:, 1], full[:, 1], full[:, 2], full[:, 1]), dim=1).abs()
+    difference = (full - sub.to(full.device)).abs()
+    return bool((difference <= tolerance * scale + 1e-30).all() or not torch.isfinite(full).all())
+
+
+def _shape_problem(kind, path, full_shape, sub_shape, batch_size, sub_rows, fixed_dim) -> str:
+    what = "input" if kind == "input" else "output"
+    where = f"at dim {fixed_dim}, where the engine reads them for this layer" if fixed_dim is not None else "in one dim"
+    return (
+        f"the {what} of {module_label(path)} does not keep the examples {where}: shape {full_shape} for a batch of "
+        f"{batch_size} but {sub_shape} for {sub_rows} of its examples. A layer run time-major (T, B, F) inside a "
+        f"batch-first model (or the reverse) takes another axis for the batch, so its per-example gradients mix "
+        f"examples; a tensor built across the batch (batch x batch) mixes them too. Give every layer the examples "
+        f"at the wrapper's batch dim (or use a layer that declares its layout, e.g. batch_first=True), and "
+        f"compute each example from its own row."
+    )
+
+
+def _value_problem(kind, path, modules) -> str:
+    label = module_label(path)
+    if kind == "output":
+        kinds = dict(modules)
+        return (
+            f"{label} ({type(kinds[path]).__name__}) mixes the examples of a batch: its output for an example "
+            f"changes when other examples are removed from the batch (batch statistics such as "
+            f"F.batch_norm(training=True), x - x.mean(0), a normalisation over the batch dim, in-batch "
+            f"similarities). Per-example clipping cannot bound one example's influence then. Use a per-example "
+            f"normalisation (nn.GroupNorm, nn.LayerNorm over features) or compute the statistics in eval mode."
+        )
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    return (
+        f"the input of {label} already mixes the examples of a batch (it changes when other examples are removed), "
+        f"though every module before it kept them apart: the mixing happens in code outside any submodule, in "
+        f"the forward of {module_label(parent)}. Compute each example from its own row only."
+    )
+
+
+def _cannot_verify(rows: int, batch_size: int, dim: int, error: Exception) -> str:
+    return (
+        f"could not verify that the examples of a batch are independent: the model's forward on {rows} of the "
+        f"{batch_size} examples (the tensors with {batch_size} entries at dim {dim} sliced, others passed unchanged) "
+        f"failed with {type(error).__name__}: {error}. The privacy guarantee assumes each example's output depends "
+        f"on that example alone; pass per-example tensors with the examples at dim {dim} so the engine can check it."
+    )
+
+
+def _unsliced_arguments(batch_size: int, dim: int, shapes: list[tuple[int, ...]], problem: str) -> str:
+    return (
+        f"could not verify that the examples of a batch are independent: the forward takes tensors without "
+        f"{batch_size} entries at dim {dim} (shapes {shapes[:3]}), which the check cannot split per example, and "
+        f"the sub-batch forward then differed ({problem.split(':')[0]}). The privacy guarantee assumes each "
+        f"example's output depends on that example alone; pass per-example tensors with the examples at dim "
+        f"{dim} so the engine can check it."
+    )
+
+
+def _buffer_written(slot, *, restored: bool) -> str:
+    path, module, name = slot
+    where = f"{path}.{name}" if path else name
+    after = (
+        "It was restored." if restored else
+        "It now holds values computed from this batch: do not release this model; reload a checkpoint."
+    )
+    return (
+        f"buffer {where!r} of {module_label(path)} ({type(module).__name__}) was written during a training forward: "
+        f"a buffer computed from the batch (running statistics) leaves with the model without noise. Construct the "
+        f"module without running statistics (track_running_stats=False), keep it in eval mode, or update the "
+        f"buffer outside the training forward if it does not depend on the examples. {after}"
+    )
+
+
+def _same_buffer(current: torch.Tensor, copy: torch.Tensor) -> bool:
+    if current.shape != copy.shape or current.dtype != copy.dtype:
+        return False
+    if current.is_floating_point() or current.is_complex():
+        return bool(torch.isclose(current, copy, rtol=0, atol=0, equal_nan=True).all())
+    return torch.equal(current, copy)
+
+
+def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
+
+
+class DeterministicRandom(TorchDispatchMode):
+    """Random ops made deterministic (for the row check's forwards only): dropout keeps every unit
+    (``bernoulli`` -> ones, ``native_dropout`` -> identity), ``rand``/``uniform`` -> 0.5, ``randn``/``normal``
+    -> the mean, ``randperm`` -> ``arange``, any other seeded op -> its output filled with ones. Only
+    determinism matters: the same rows must come out of a forward on the full batch and on a sub-batch."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in ("native_dropout", "_fused_dropout"):  # (output, mask): keep every unit, unscaled
+            _, mask = func(*args, **kwargs)
+            return args[0].clone(), torch.ones_like(mask)
+        if name == "randperm":
+            return torch.arange(args[0], dtype=kwargs.get("dtype") or torch.int64, device=kwargs.get("device"))
+        result = func(*args, **kwargs)  # the right shape and dtype (its values are overwritten)
+        if name in ("rand", "rand_like", "uniform", "uniform_"):
+            fill = 0.5
+        elif name in ("randn", "randn_like", "normal_"):
+            fill = 0.0
+        elif name == "normal":
+            mean = args[0] if args else kwargs.get("mean", 0.0)
+            if isinstance(mean, torch.Tensor):
+                return mean.expand_as(result).clone().to(result.dtype)
+            fill = float(mean)
+        else:
+            fill = 1
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.Tensor):
+                leaf.fill_(fill)
+        return result
