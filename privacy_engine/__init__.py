@@ -14,7 +14,7 @@ from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
 from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
 from privacy_engine.losses import per_example_token_cross_entropy
 from privacy_engine.models.fixer import FixReport, ModuleValidator, fix_module
-from privacy_engine.models.validation import UnsupportedModuleError
+from privacy_engine.models.validation import InteractingExamplesError, UnsupportedModuleError
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
 from privacy_engine.training.batch_tickets import BatchTicket, move_to
 from privacy_engine.training.data_loader import DPDataLoader
@@ -26,8 +26,8 @@ from privacy_engine.training.virtual_steps import BatchMemoryManager, VirtualSte
 __all__ = [
     "BandCandidate",
     "BandMFNoise",
-    "BatchTicket",
     "BatchMemoryManager",
+    "BatchTicket",
     "ClippingConfig",
     "ClippingStats",
     "DPDataLoader",
@@ -37,6 +37,7 @@ __all__ = [
     "GaussianNoise",
     "GhostClippingModule",
     "GradSampleModule",
+    "InteractingExamplesError",
     "ModuleValidator",
     "NoiseMechanism",
     "NoisePlan",
