@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import dp_accounting
@@ -19,6 +21,34 @@ __all__ = ["DEFAULT_RDP_ORDERS", "RDPAccountant"]
 DEFAULT_RDP_ORDERS: tuple[float, ...] = tuple(
     float(order) for order in rdp_privacy_accountant.DEFAULT_RDP_ORDERS
 )
+
+
+# dp-accounting logs (on absl's logger) when its series for the RDP of the subsampled Gaussian at one
+# fractional order does not converge; it then leaves that order out of the minimum, which only makes
+# the epsilon it reports larger (still a valid bound). Nothing for the user to do: filtered while we
+# compose. Its other warnings (a negative Renyi divergence, answered with epsilon 0) are kept.
+_NOT_CONVERGED = "_compute_log_a_frac failed to converge"
+
+
+class _NotConvergedFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NOT_CONVERGED)
+
+
+@contextlib.contextmanager
+def _without_convergence_warnings() -> Iterator[None]:
+    """Drop dp-accounting's "failed to converge" records on the ``absl`` logger inside the block only.
+
+    A filter of its own is added to that logger and removed on exit (also on an exception), so nested
+    blocks and the user's own absl logging are unaffected; other records pass unchanged.
+    """
+    logger = logging.getLogger("absl")
+    quiet = _NotConvergedFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 class _RDPCache(CompositionCache):
@@ -109,6 +139,7 @@ class RDPAccountant(Accountant):
         rdp = np.zeros(len(self._orders), dtype=np.float64)
         for atom in sequence:
             if atom.key not in cache.atom_rdp:
-                cache.atom_rdp[atom.key] = self._new_dp_accountant().compose(atom.event).rdp
+                with _without_convergence_warnings():
+                    cache.atom_rdp[atom.key] = self._new_dp_accountant().compose(atom.event).rdp
             rdp += atom.count * cache.atom_rdp[atom.key]
         return _RDPComposition(sequence, self._orders, rdp)

@@ -64,7 +64,7 @@ def _private_step(workload: Workload, loader: DataLoader, mode: str, communicati
         module=DistributedDataParallel(inner), optimizer=torch.optim.SGD(inner.parameters(), lr=0.01),
         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0, grad_sample_mode=mode,
     )  # fmt: skip
-    model, optimizer, private_loader = made[0], made[1], made[-1]
+    model, optimizer, private_loader = made
     job = optimizer.distributed_job
     state = {"batches": iter(())}
 

@@ -5,12 +5,27 @@ Data path, one folder each: ``capture/`` (GradSampleModule: hooks, the torch.fun
 clipping in ``clipping/ghost/``) -> ``noise/`` (Gaussian, BandMF) -> ``training/`` (DPOptimizer, the
 loop contract, private data loaders, distributed) -> ``accountants/`` -> ``engine/`` (PrivacyEngine:
 options -> plan -> build -> ledger). ``models/`` makes a model trainable (fixer, DP recurrent layers).
+
+``accountants`` and ``grad_samplers`` live at the repository's top level and install as top-level
+packages; ``privacy_engine.accountants`` and ``privacy_engine.grad_samplers`` are the same module
+objects under the package's name (``privacy_engine._namespaced``).
 """
 
+# The one place the version is written: setup.py reads it from this line, CHANGELOG.md names it.
+__version__ = "0.1.0"
+
+# First, so that any later import of privacy_engine.accountants / .grad_samplers finds the alias.
+from privacy_engine import _namespaced
+
+_namespaced.install()
+
+from accountants import CalibrationError
+from privacy_engine import accountants as accountants
+from privacy_engine import grad_samplers as grad_samplers
 from privacy_engine.capture import GradSampleModule, ParameterUsageError, per_sample_gradients
 from privacy_engine.clipping import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
 from privacy_engine.clipping.ghost import GhostClippingModule
-from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine
+from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine, PrivacyOptions
 from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
 from privacy_engine.losses import per_example_token_cross_entropy
 from privacy_engine.models.fixer import FixReport, ModuleValidator, fix_module
@@ -28,6 +43,7 @@ __all__ = [
     "BandMFNoise",
     "BatchMemoryManager",
     "BatchTicket",
+    "CalibrationError",
     "ClippingConfig",
     "ClippingStats",
     "DPDataLoader",
@@ -46,6 +62,7 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyBudgetExceeded",
     "PrivacyEngine",
+    "PrivacyOptions",
     "StepContract",
     "UnsupportedModuleError",
     "VirtualSteps",

@@ -1,11 +1,13 @@
 """Fresh processes for tests/test_checkpoints.py.
 
-    python tests/checkpoint_worker.py resume OUT CONFIG=CHECKPOINT [CONFIG=CHECKPOINT ...]
+    python tests/checkpoint_worker.py resume OUT RUN=CHECKPOINT [RUN=CHECKPOINT ...]
     python tests/checkpoint_worker.py slow-save PATH
 
-``resume``: for each configuration, builds the run anew (other seeds, so that only the checkpoint can
-make it match), loads the checkpoint, trains ``RESUMED_STEPS`` more steps and writes what it saw to
-OUT (plain types only: the test loads it with weights_only=True). ``slow-save``: writes a large
+``resume``: for each run, builds it anew (other seeds, so that only the checkpoint can make it match),
+loads the checkpoint, trains ``RESUMED_STEPS`` more steps and writes what it saw to OUT (plain types
+only: the test loads it with weights_only=True). RUN is ``CONFIG`` (the rdp accountant, loaded with
+``data_loader=``) or ``CONFIG,ACCOUNTANT,WAY``: WAY ``engine`` loads with ``data_loader=``, ``opacus``
+as Opacus's ``load_checkpoint(path=, module=, optimizer=)`` does, without it. ``slow-save``: writes a large
 checkpoint to PATH with each write slowed down, so that the test can kill the process mid-write.
 The test, not this file, holds the expectations.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,7 +41,7 @@ CONFIGS = {
 }
 
 
-def build(config: str, seed: int = 0):
+def build(config: str, seed: int = 0, accountant: str = "rdp"):
     """(engine, model, optimizer, criterion, loader) of one configuration; ``seed`` sets the model's
     initialisation, the noise seed and torch's global generator (which drives Poisson sampling)."""
     settings = CONFIGS[config]
@@ -49,17 +52,13 @@ def build(config: str, seed: int = 0):
     features = torch.randn(NUM_EXAMPLES, 6, generator=data)
     labels = torch.randint(0, 3, (NUM_EXAMPLES,), generator=data)
     loader = DataLoader(TensorDataset(features, labels), batch_size=BATCH_SIZE)
-    engine = PrivacyEngine(accountant="rdp")
+    engine = PrivacyEngine(accountant=accountant)
     kwargs = {"noise_multiplier": 1.0, "max_grad_norm": 0.5, "noise_seed": 7 + seed,
               "grad_sample_mode": settings["grad_sample_mode"]}  # fmt: skip
     if settings["mechanism"] == "bandmf":
         kwargs.update(noise_mechanism="bandmf", num_bands=4, total_steps=16)
-    made = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, **kwargs)
-    if settings["grad_sample_mode"] == "ghost":
-        model, optimizer, criterion, loader = made
-    else:
-        (model, optimizer, loader), criterion = made, nn.CrossEntropyLoss()
-    return engine, model, optimizer, criterion, loader
+    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, **kwargs)
+    return engine, model, optimizer, nn.CrossEntropyLoss(), loader
 
 
 def batches(loader):
@@ -89,12 +88,18 @@ def train(model, optimizer, criterion, stream, steps: int) -> list[dict]:
 def resume(out: str, pairs: list[str]) -> None:
     results = {}
     for pair in pairs:
-        config, checkpoint = pair.split("=", 1)
-        engine, model, optimizer, criterion, loader = build(config, seed=99)
-        engine.load_checkpoint(path=checkpoint, module=model, optimizer=optimizer, data_loader=loader)
+        run, checkpoint = pair.split("=", 1)
+        config, accountant, way = run.split(",") if "," in run else (run, "rdp", "engine")
+        engine, model, optimizer, criterion, loader = build(config, seed=99, accountant=accountant)
+        loader_argument = {"data_loader": loader} if way == "engine" else {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.load_checkpoint(path=checkpoint, module=model, optimizer=optimizer, **loader_argument)
+        loaded_params = [p.detach().clone() for p in model.parameters()]
         records = train(model, optimizer, criterion, batches(loader), RESUMED_STEPS)
-        results[config] = {"records": records, "epsilon": engine.get_epsilon(DELTA),
-                           "history": engine.accountant.state_dict()["history"]}  # fmt: skip
+        results[run] = {"records": records, "epsilon": engine.get_epsilon(DELTA), "loaded_params": loaded_params,
+                        "history": engine.accountant.state_dict()["history"],
+                        "warnings": [str(warning.message) for warning in caught]}  # fmt: skip
     torch.save(results, out)
 
 

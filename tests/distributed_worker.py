@@ -104,7 +104,7 @@ def equivalence(rank: int, mode: str) -> dict:
         module=DistributedDataParallel(model), optimizer=optimizer, data_loader=loader, noise_multiplier=0.0,
         max_grad_norm=0.3, grad_sample_mode=mode, noise_seed=0,
     )
-    wrapped, dp_optimizer, private_loader = made[0], made[1], made[-1]
+    wrapped, dp_optimizer, private_loader = made
     record = train(wrapped, dp_optimizer, private_loader, 6)
     record.update(initial=initial, expected_batch_size=dp_optimizer.expected_batch_size,
                   wrapped=type(wrapped).__name__)

@@ -111,6 +111,7 @@ def test_make_private_takes_a_budget_and_steps_left_plans_with_it():
     assert released == planned
 
 
+@pytest.mark.slow
 def test_truncated_sampling_is_guarded_with_its_own_accounting():
     model, optimizer, loader = make_setup(num_examples=200, batch_size=10)
     engine = PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=1e-2))

@@ -65,11 +65,10 @@ def make_run(*, mechanism="gaussian", num_bands=4, secure_mode=False, accountant
             kwargs["noise_seed"] = seed + 7
     if mechanism == "bandmf":
         kwargs.update(noise_mechanism="bandmf", num_bands=num_bands, total_steps=16)
-    made = engine.make_private(module=model, optimizer=inner, data_loader=DataLoader(dataset, batch_size=5), **kwargs)
-    if grad_sample_mode == "ghost":
-        model, private_optimizer, criterion, loader = made
-    else:
-        (model, private_optimizer, loader), criterion = made, nn.CrossEntropyLoss()
+    model, private_optimizer, loader = engine.make_private(
+        module=model, optimizer=inner, data_loader=DataLoader(dataset, batch_size=5), **kwargs
+    )
+    criterion = nn.CrossEntropyLoss()
     if train_steps:
         worker.train(model, private_optimizer, criterion, worker.batches(loader), train_steps)
     return engine, model, private_optimizer, loader
@@ -120,6 +119,19 @@ def load(run, path, **kwargs):
     engine, model, optimizer, loader = run
     arguments = {"module": model, "optimizer": optimizer, "data_loader": loader, **kwargs}
     return engine.load_checkpoint(path=path, **{k: v for k, v in arguments.items() if v is not None})
+
+
+def train_on(run, steps=2, skipped_rows=0):
+    """Train ``steps`` more steps on a run a checkpoint was loaded into: a resume must train on, not only
+    restore. Each step is released and recorded once (BandMF also draws, discards and records the noise
+    rows of ``skipped_rows`` batches skipped by the resume), and the model stays finite."""
+    engine, model, optimizer, loader = run
+    noise_steps, accounted_steps = optimizer.noise.step, engine.accountant.steps
+    records = worker.train(model, optimizer, nn.CrossEntropyLoss(), worker.batches(loader), steps)
+    expected = steps + skipped_rows
+    assert (optimizer.noise.step, engine.accountant.steps) == (noise_steps + expected, accounted_steps + expected)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return records
 
 
 def craft(source, target, mutate):
@@ -177,6 +189,9 @@ def test_every_checkpoint_the_engine_writes_loads_with_weights_only(tmp_path, co
     payload = torch.load(io.BytesIO(raw[64:]), weights_only=True)
     assert payload["epoch"] == 3 and payload["format"] == checkpoint.PAYLOAD_FORMAT
     assert {checkpoint.OPTIMIZER_KEY, checkpoint.LOADER_KEY, checkpoint.ENGINE_KEY} <= set(payload)
+    resumed = make_run(**config, seed=2, train_steps=0)
+    load(resumed, path)
+    train_on(resumed)
 
 
 def test_a_value_that_is_not_plain_data_is_refused_before_anything_is_written(tmp_path):
@@ -262,6 +277,7 @@ def test_a_failure_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     load(make_run(train_steps=0), path)
 
 
+@pytest.mark.slow
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "run.pt"
     previous = {"format": checkpoint.PAYLOAD_FORMAT, "value": torch.arange(10)}
@@ -412,6 +428,7 @@ def test_optional_parts_are_restored_only_when_asked_for(tmp_path):
     assert engine.accountant.steps == source[0].accountant.steps
     for a, b in zip(model.parameters(), source[1].parameters()):
         assert torch.equal(a, b)
+    train_on((engine, model, optimizer, loader))
 
 
 class Schedule:
@@ -440,6 +457,7 @@ def test_lr_and_dp_scheduler_states_ride_along(tmp_path):
     resumed_schedule = torch.optim.lr_scheduler.StepLR(target[2].original_optimizer, step_size=1, gamma=0.5)
     resumed_schedule.load_state_dict(payload["lr_scheduler"])
     assert target[2].param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 0.05
+    train_on(target)
     before = full_state(*target)
     with pytest.raises(CheckpointError, match="grad_clip_scheduler"):
         load(target, path, grad_clip_scheduler=Schedule(1.0))
@@ -478,6 +496,7 @@ def resumed_in_a_fresh_process(tmp_path_factory):
     return uninterrupted, torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(worker.CONFIGS))
 def test_a_run_resumed_in_a_fresh_process_is_bit_identical_to_the_uninterrupted_run(resumed_in_a_fresh_process,
                                                                                      config):  # fmt: skip
@@ -505,36 +524,55 @@ def test_a_resume_continues_after_the_last_released_step_with_the_saved_generato
     assert resumed[3].state_dict()["next_step"] == 3
     assert resumed[0].accountant.steps == 3
     assert_same(_generator_states(resumed[2]), _generator_states(optimizer))
+    train_on(resumed)
 
 
+@pytest.mark.parametrize("resumed_steps", [0, 1], ids=["resumed-before-any-step", "resumed-after-a-step"])
 @pytest.mark.parametrize("mechanism", ["gaussian", "bandmf"])
-def test_a_checkpoint_saved_with_a_batch_in_flight_resumes_with_fresh_noise(tmp_path, mechanism):
+def test_a_checkpoint_saved_with_a_batch_in_flight_resumes_with_fresh_noise(tmp_path, mechanism, resumed_steps):
     engine, model, optimizer, loader = run = make_run(mechanism=mechanism, seed=1, train_steps=0)
     stream = worker.batches(loader)
     worker.train(model, optimizer, nn.CrossEntropyLoss(), stream, 3)
     inputs, targets = next(stream)  # batch 3 drawn; its step not taken when the checkpoint is written
     path = save(run, tmp_path / "run.pt")
     saved_generators = _generator_states(optimizer)
-    resumed = make_run(mechanism=mechanism, seed=2, train_steps=1)  # stepped: its noise generators exist
+    # Stepped or not, the resumed run's noise generators are replaced (before a step they do not exist yet).
+    resumed = make_run(mechanism=mechanism, seed=2, train_steps=resumed_steps)
     with pytest.warns(UserWarning, match="new generators.*before optimizer.step"):
         load(resumed, path)
     # The batch in flight is skipped, and its noise (the saved generators' next draw) is never used.
     assert resumed[3].state_dict()["next_step"] == 4
     assert resumed[2].noise.step == 3 and resumed[0].accountant.steps == 3
-    assert not any(torch.equal(a, b) for a, b in zip(_generator_states(resumed[2]), saved_generators))
-    if mechanism == "bandmf":
-        assert torch.equal(resumed[2].noise._groups[0].history, optimizer.noise._groups[0].history)
+    if resumed_steps:
+        assert not any(torch.equal(a, b) for a, b in zip(_generator_states(resumed[2]), saved_generators))
+        if mechanism == "bandmf":
+            assert torch.equal(resumed[2].noise._groups[0].history, optimizer.noise._groups[0].history)
+    else:
+        pending = resumed[2].noise.state_dict()["devices"]
+        assert not any(torch.equal(a, b) for a, b in zip(pending[0]["generator_states"], saved_generators))
+    train_on(resumed, skipped_rows=1 if mechanism == "bandmf" else 0)  # BandMF's row of the skipped batch
 
 
-def test_a_checkpoint_restored_without_the_loader_state_resumes_with_fresh_noise(tmp_path):
-    engine, model, optimizer, loader = run = make_run(seed=1, train_steps=3)
-    path = save(run, tmp_path / "run.pt", data_loader=None)
+@pytest.mark.parametrize("resumed_steps", [0, 1], ids=["resumed-before-any-step", "resumed-after-a-step"])
+@pytest.mark.parametrize("grad_sample_mode", ["hooks", "ghost"])
+def test_a_checkpoint_restored_without_the_loader_state_resumes_with_fresh_noise(tmp_path, grad_sample_mode,
+                                                                                 resumed_steps):  # fmt: skip
+    # Opacus's way: save_checkpoint / load_checkpoint with module= and optimizer= only.
+    engine, model, optimizer, _ = make_run(seed=1, train_steps=3, grad_sample_mode=grad_sample_mode)
+    path = tmp_path / "run.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=optimizer)
-    resumed = make_run(seed=2, train_steps=1)  # stepped: its noise generators exist
+    resumed = make_run(seed=2, train_steps=resumed_steps, grad_sample_mode=grad_sample_mode)
     with pytest.warns(UserWarning, match="new generators.*loader's sampling state was not restored"):
         resumed[0].load_checkpoint(path=path, module=resumed[1], optimizer=resumed[2])
     assert resumed[2].noise.step == 3
-    assert not any(torch.equal(a, b) for a, b in zip(_generator_states(resumed[2]), _generator_states(optimizer)))
+    saved_generators = _generator_states(optimizer)
+    if resumed_steps:
+        assert not any(torch.equal(a, b) for a, b in zip(_generator_states(resumed[2]), saved_generators))
+    else:
+        pending = resumed[2].noise.state_dict()["devices"]
+        assert not any(torch.equal(a, b) for a, b in zip(pending[0]["generator_states"], saved_generators))
+    train_on(resumed)
+
 
 
 # ---------------------------------------------------------------------------------------------- transactional steps

@@ -49,7 +49,7 @@ def _train(device: str, mode: str, noise_multiplier: float, mechanism: str = "ga
         max_grad_norm=0.5, grad_sample_mode=mode, noise_seed=3, noise_generator=None,
         noise_mechanism=mechanism, **extra,
     )  # fmt: skip
-    wrapped, dp_optimizer, loader = out[0], out[1], out[-1]
+    wrapped, dp_optimizer, loader = out
     loader.batch_sampler.generator = torch.Generator().manual_seed(2)
     for step, (x, y) in enumerate(loader):
         dp_optimizer.zero_grad()

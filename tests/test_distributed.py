@@ -128,6 +128,7 @@ def replay_noise(mechanism, shapes, sigma, clip, steps) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ one global step
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
 def test_two_ranks_equal_one_process_on_the_union_batch_without_noise(job, mode):
     rank0, rank1 = both(job, f"equivalence_{mode}")
@@ -145,6 +146,7 @@ def test_two_ranks_equal_one_process_on_the_union_batch_without_noise(job, mode)
         torch.testing.assert_close(rank1["params"][step], expected, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_virtual_steps_under_ddp_equal_one_process_on_the_union_batch(job):
     rank0, rank1 = both(job, "virtual")
     reference = both(job, "equivalence_hooks")
@@ -155,6 +157,7 @@ def test_virtual_steps_under_ddp_equal_one_process_on_the_union_batch(job):
         torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_opacus_distributed_optimizer_and_loader_names_run_global_steps(job):
     rank0, rank1 = both(job, "opacus_names")
     assert rank0["expected_batch_size"] == 8.0  # Opacus passes each rank's: 4 x 2 ranks
@@ -165,6 +168,7 @@ def test_opacus_distributed_optimizer_and_loader_names_run_global_steps(job):
         assert torch.equal(params0, params1)
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_a_rank_with_an_empty_local_batch_still_takes_part(job):
     rank0, rank1 = both(job, "equivalence_hooks")
     local_sizes = [len(i) for i in rank0["indices"] + rank1["indices"]]
@@ -173,6 +177,7 @@ def test_a_rank_with_an_empty_local_batch_still_takes_part(job):
     assert any(size > 0 for size in local_sizes)
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_parameters_are_bit_identical_across_ranks_with_noise(job):
     for scenario in ("noisy", "bandmf", "truncated", "checkpoint"):
         rank0, rank1 = both(job, scenario)
@@ -183,6 +188,7 @@ def test_parameters_are_bit_identical_across_ranks_with_noise(job):
             assert torch.equal(params0, params1), scenario
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_gaussian_noise_is_one_draw_of_std_sigma_c_over_the_global_batch(job):
     rank0, rank1 = both(job, "noisy")
     sigma, clip, global_batch, lr = 2.0, 1.5, 16.0, 1.0
@@ -204,6 +210,7 @@ def test_gaussian_noise_is_one_draw_of_std_sigma_c_over_the_global_batch(job):
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_bandmf_noise_under_ddp_is_rank_zeros_correlated_sequence(job):
     rank0, rank1 = both(job, "bandmf")
     coefficients = rank0["coefficients"]
@@ -219,6 +226,7 @@ def test_bandmf_noise_under_ddp_is_rank_zeros_correlated_sequence(job):
 
 
 # ------------------------------------------------------------------------------ sampling (engine)
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_the_engines_loader_gives_each_example_to_one_rank_at_the_global_rate(job):
     rank0, rank1 = both(job, "sampling")
     q = rank0["sample_rate"]
@@ -235,6 +243,7 @@ def test_the_engines_loader_gives_each_example_to_one_rank_at_the_global_rate(jo
     assert counts.min().item() > 60 - 5 * 6.93 and counts.max().item() < 60 + 5 * 6.93
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_bandmf_groups_are_global_and_each_step_samples_only_its_group(job):
     rank0, rank1 = both(job, "bandmf")
     assert rank0["groups"] == rank1["groups"]
@@ -247,6 +256,7 @@ def test_bandmf_groups_are_global_and_each_step_samples_only_its_group(job):
         assert set(draw0 + draw1) <= set(groups[step % 2])
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_truncated_batches_have_the_per_rank_shape_and_union_to_one_truncated_sample(job):
     rank0, rank1 = both(job, "truncated")
     group = set(rank0["group"])
@@ -261,6 +271,7 @@ def test_truncated_batches_have_the_per_rank_shape_and_union_to_one_truncated_sa
 
 
 # ------------------------------------------------------------------------------ accounting
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_every_ranks_epsilon_is_the_single_process_dp_sgd_epsilon(job):
     rank0, rank1 = both(job, "noisy")
     assert rank0["steps"] == rank1["steps"] == 4
@@ -272,6 +283,7 @@ def test_every_ranks_epsilon_is_the_single_process_dp_sgd_epsilon(job):
     assert rank1["epsilon"] == rank0["epsilon"]
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_bandmf_epsilon_is_the_single_process_amplified_event(job):
     rank0, rank1 = both(job, "bandmf")
     assert rank0["steps"] == 6
@@ -284,6 +296,7 @@ def test_bandmf_epsilon_is_the_single_process_amplified_event(job):
     assert rank1["epsilon"] == rank0["epsilon"]
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_truncated_epsilon_is_the_single_process_truncated_event_with_the_global_cap(job):
     rank0, rank1 = both(job, "truncated")
     # One group of 40: an example removed leaves 40, an example added makes 41; the worse is accounted.
@@ -302,6 +315,7 @@ def test_truncated_epsilon_is_the_single_process_truncated_event_with_the_global
 
 
 # ------------------------------------------------------------------------------ set-up and failures
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_mismatched_settings_raise_on_every_rank_naming_the_setting(job):
     rank0, rank1 = both(job, "mismatch")
     for result in (rank0, rank1):
@@ -310,6 +324,7 @@ def test_mismatched_settings_raise_on_every_rank_naming_the_setting(job):
         assert not result["hooked"]  # raised before the model was wrapped
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_ranks_holding_the_same_examples_in_another_order_are_refused_on_every_rank(job):
     rank0, rank1 = both(job, "reordered")
     for result in (rank0, rank1):
@@ -321,6 +336,7 @@ def test_ranks_holding_the_same_examples_in_another_order_are_refused_on_every_r
         assert "dataset (digest of its examples at fixed indices" in result["hand_built_error"]
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_resuming_every_rank_from_rank_zeros_checkpoint_repeats_the_steps(job):
     rank0, rank1 = both(job, "checkpoint")
     for result in (rank0, rank1):
@@ -330,6 +346,7 @@ def test_resuming_every_rank_from_rank_zeros_checkpoint_repeats_the_steps(job):
         assert result["steps"] == 5
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_fsdp2_is_refused_with_a_clear_error(job):
     result = job[0]["fsdp2"]
     if "unavailable" in result:
@@ -337,10 +354,12 @@ def test_fsdp2_is_refused_with_a_clear_error(job):
     assert "FSDP2" in result["error"] and "DistributedDataParallel" in result["error"]
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_a_model_without_ddp_in_a_process_group_warns(job):
     assert any("not wrapped in DistributedDataParallel" in w for w in job[0]["unwrapped"]["warnings"])
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_opacus_wrapper_name_broadcasts_rank_zeros_parameters(job):
     rank0, rank1 = both(job, "alias")
     assert not torch.equal(rank0["before"], rank1["before"])
@@ -349,6 +368,7 @@ def test_opacus_wrapper_name_broadcasts_rank_zeros_parameters(job):
     assert rank0["noise"] == "RankZeroNoise"
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_a_stalled_rank_makes_the_other_fail_within_the_timeout(job):
     result = job[0]["stalled"]
     assert result["error"] is not None and "did not complete (timeout 1.5 s)" in result["error"]
@@ -356,6 +376,7 @@ def test_a_stalled_rank_makes_the_other_fail_within_the_timeout(job):
     assert result["grads_dropped"]  # the un-noised local sum is not left in .grad
 
 
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_a_rank_that_raises_makes_the_other_fail_instead_of_hanging(job):
     result = job[0]["crashed"]
     assert result["error"] is not None and "another rank raised, died or stalled" in result["error"]

@@ -189,7 +189,7 @@ def test_make_private_with_a_grad_scaler_trains_as_the_unscaled_loop(mode):
         made = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
                                    data_loader=DataLoader(data, batch_size=16), noise_multiplier=1.0, max_grad_norm=C,
                                    grad_sample_mode=mode, grad_scaler=scaler)  # fmt: skip
-        wrapped, optimizer, loader = made[0], made[1], made[-1]
+        wrapped, optimizer, loader = made
         for x, y in loader:
             loss = nn.functional.cross_entropy(wrapped(x), y)
             if scaler is None:

@@ -454,7 +454,7 @@ def _released_sum_make_private(mode: str, drop: int | None) -> torch.Tensor:
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader, noise_multiplier=0.0,
         max_grad_norm=CLIP, grad_sample_mode=mode, poisson_sampling=True,
     )  # fmt: skip
-    wrapped, optimizer, private_loader = out[0], out[1], out[-1]  # q = 1: every example in the batch
+    wrapped, optimizer, private_loader = out  # q = 1: every example in the batch
     before = [p.detach().clone() for p in model.parameters()]
     batch = next(iter(private_loader))
     optimizer.zero_grad()

@@ -48,6 +48,7 @@ def _arguments(tmp_path, **overrides):
     return transformers.TrainingArguments(**settings)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_dp_trainer_samples_poisson_batches_and_logs_epsilon(tmp_path, mode: str) -> None:
     from dp_accounting import dp_event, rdp
@@ -88,6 +89,7 @@ def test_dp_trainer_samples_poisson_batches_and_logs_epsilon(tmp_path, mode: str
     assert logged[-1]["epsilon"] == pytest.approx(epsilon, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_dp_trainer_with_target_epsilon_stays_within_it(tmp_path) -> None:
     trainer = DPTrainer(
         model=_model(), args=_arguments(tmp_path, num_train_epochs=2), train_dataset=TokenDataset(),

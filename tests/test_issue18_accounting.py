@@ -175,7 +175,8 @@ def make_private_with_first_layer_frozen(dataset, mode, poisson, *, in_optimizer
         noise_multiplier=0.0, max_grad_norm=0.5, grad_sample_mode=mode, poisson_sampling=poisson, loss_reduction="sum",
         noise_generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
-    return engine, model, out[0], out[1], out[-1]
+    wrapped, optimizer, loader = out
+    return engine, model, wrapped, optimizer, loader
 
 
 def loss_sum(wrapped, x, y):
@@ -370,7 +371,8 @@ def shuffled_run(mode, dataset, *, sigma=1.0, batch_size=16, shuffle=True):
         max_grad_norm=0.5, grad_sample_mode=mode, poisson_sampling=False,
         noise_generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
-    return engine, model, reference, out[0], out[1], out[-1]
+    wrapped, optimizer, loader = out
+    return engine, model, reference, wrapped, optimizer, loader
 
 
 @pytest.mark.filterwarnings("ignore:poisson_sampling=False")
@@ -507,7 +509,7 @@ def accumulate_poisson_batches(mode, batches_per_step, sigma):
         data_loader=DataLoader(make_data(128), batch_size=16), noise_multiplier=sigma, max_grad_norm=0.5,
         grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
-    wrapped, optimizer, loader = out[0], out[1], out[-1]
+    wrapped, optimizer, loader = out
     batches = iter(loader)
     inputs, targets = [], []
     optimizer.zero_grad()
@@ -522,6 +524,7 @@ def accumulate_poisson_batches(mode, batches_per_step, sigma):
     return engine, before, model, expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("batches_per_step", [2, 4])
 def test_accumulated_poisson_batches_are_accounted_as_their_mixture_and_divided_by_k_batches(mode, batches_per_step):

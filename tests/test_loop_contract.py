@@ -51,7 +51,8 @@ def private(mode="hooks", *, batch_size=8, sigma=0.0, model=None, dataset=None, 
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip,
         grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(3), **kwargs,
     )  # fmt: skip
-    return engine, model, out[0], out[1], out[-1]
+    wrapped, optimizer, loader = out
+    return engine, model, wrapped, optimizer, loader
 
 
 def loss_of(wrapped, x, y):
@@ -98,7 +99,7 @@ def test_a_parameter_unfrozen_after_make_private_is_clipped_with_the_rest(mode):
         module=model, optimizer=optimizer, data_loader=DataLoader(make_data(), batch_size=8), noise_multiplier=0.0,
         max_grad_norm=0.5, grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
-    wrapped, dp_optimizer, loader = out[0], out[1], out[-1]
+    wrapped, dp_optimizer, loader = out
     batches = iter(loader)
     x, y = next(batches)
     dp_optimizer.zero_grad()

@@ -106,7 +106,7 @@ def test_zero_dim_parameter_trains_under_dp(mode: str) -> None:
     model = ScaledRoot()
     data = TensorDataset(torch.randn(64, 5), torch.randn(64, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    private_model, optimizer, *_, loader = PrivacyEngine().make_private(
+    private_model, optimizer, loader = PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=16), noise_multiplier=1.0,
         max_grad_norm=1.0, grad_sample_mode=mode,
     )

@@ -339,6 +339,7 @@ def test_epsilon_is_opacus_epsilon_for_the_same_steps(name, our_runs):
         assert part["epsilon"] == pytest.approx(expected, rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not OPACUS_INSTALLED, reason="Opacus is not installed")
 @pytest.mark.parametrize("name", _cases())
 def test_original_runs_under_opacus_beside_ours(name, our_runs, tmp_path):

@@ -478,7 +478,7 @@ def test_engine_trains_a_packed_recurrent_model(mode, layer_type):
     engine = PrivacyEngine(accountant="rdp")
     result = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
                                  max_grad_norm=1.0, grad_sample_mode=mode)
-    private_model, private_optimizer, private_loader = result[0], result[1], result[-1]
+    private_model, private_optimizer, private_loader = result
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     steps = 0
     for batch_tokens, batch_lengths, batch_labels in private_loader:

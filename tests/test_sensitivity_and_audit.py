@@ -58,7 +58,7 @@ def released_sum(mode, clipping, loop, drop):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader, noise_multiplier=0.0,
         max_grad_norm=CLIP, clipping=clipping, grad_sample_mode=mode, poisson_sampling=True,
     )  # fmt: skip
-    wrapped, optimizer, private_loader = out[0], out[1], out[-1]
+    wrapped, optimizer, private_loader = out
     private_loader.batch_sampler.steps = 2  # q = 1 gives one batch an epoch; the skipping loop needs two
     if loop == "unfreezing":
         model.b.weight.requires_grad_(True)
@@ -138,7 +138,7 @@ def mechanism_run(mechanism: str, canary: bool, steps: int, seed: int):
         noise_multiplier=SIGMA, max_grad_norm=CLIP, clipping=clipping, grad_sample_mode=mode, loss_reduction="sum",
         noise_seed=seed, noise_generator=None, **kwargs,
     )  # fmt: skip
-    wrapped, optimizer, private_loader = out[0], out[1], out[-1]
+    wrapped, optimizer, private_loader = out
     private_loader.batch_sampler.steps = steps
     releases = []
     batches = VirtualSteps(data_loader=private_loader, max_physical_batch_size=5, optimizer=optimizer) \
@@ -169,6 +169,7 @@ def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: fl
     return best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism", ["dp-sgd", "ghost", "per-layer", "virtual steps", "truncated", "bandmf"])
 def test_canary_audit(mechanism):
     steps = 300

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from privacy_engine.models.validation import module_label
+from privacy_engine.models.validation import module_label, submodule_label
 
 __all__ = ["BatchSizeTracking", "expand_batch", "input_batch_size"]
 
@@ -28,6 +28,9 @@ class BatchSizeTracking:
         if getattr(self, "_forward_single", None) is not None:
             return 1
         return None
+
+    def _label(self, path: str) -> str:
+        return submodule_label(self._module, path)
 
     def _note_input_batch(self, module: nn.Module, args, kwargs) -> None:
         """Forward pre-hook on the wrapped module: start a forward's batch bookkeeping."""
@@ -66,8 +69,8 @@ class BatchSizeTracking:
             return established[1]
         if established[0] == self._forward_single:
             raise ValueError(
-                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
-                f"example (dim {dim}) but {module_label(path)}, later, got {batch_size}. A layer whose output is "
+                f"the batch size differs between layers of one forward: {self._label(established[0])} got 1 "
+                f"example (dim {dim}) but {self._label(path)}, later, got {batch_size}. A layer whose output is "
                 f"shared by every example (broadcast) can only be separated per example once the batch size is "
                 f"known: from an earlier layer, or from the inputs (most tensor inputs of the wrapper having the "
                 f"batch size). Pass that layer's input with the batch size (e.g. position_ids of shape "
@@ -75,14 +78,14 @@ class BatchSizeTracking:
             )
         if self._forward_broadcast is not None and established[0] == self._forward_broadcast[0]:
             raise ValueError(
-                f"the batch size differs between layers of one forward: {module_label(established[0])} got 1 "
+                f"the batch size differs between layers of one forward: {self._label(established[0])} got 1 "
                 f"example and was treated as shared by the {established[1]} examples the inputs suggest, but "
-                f"{module_label(path)} got {batch_size} examples (dim {dim}). Give the wrapper's inputs the "
+                f"{self._label(path)} got {batch_size} examples (dim {dim}). Give the wrapper's inputs the "
                 f"batch size of the model (batch_first={self.batch_first})."
             )
         raise ValueError(
-            f"the batch size differs between inputs of one forward: {module_label(path)} got "
-            f"{batch_size} examples (dim {dim}) but {module_label(established[0])} got "
+            f"the batch size differs between inputs of one forward: {self._label(path)} got "
+            f"{batch_size} examples (dim {dim}) but {self._label(established[0])} got "
             f"{established[1]}. Give every input the same batch size (batch_first={self.batch_first})."
         )
 

@@ -117,7 +117,7 @@ def _is_function_without_vmap(error: RuntimeError) -> bool:
 def _function_without_vmap_message(path: str, module: nn.Module, error: RuntimeError) -> str:
     kind = type(module).__name__
     return (
-        f"{module_label(path)} ({kind}) has no grad sampler, so its per-sample gradients come from torch.func "
+        f"{module_label(path, module)} has no grad sampler, so its per-sample gradients come from torch.func "
         f"(its forward under vmap), and its forward calls a custom torch.autograd.Function that vmap cannot "
         f"run ({error}). Either give that Function vmap support: a forward without ctx plus a setup_context "
         f"staticmethod, and generate_vmap_rule = True or a vmap staticmethod "

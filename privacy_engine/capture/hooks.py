@@ -49,7 +49,7 @@ class LayerHooks:
             activations = held[0]
             if activations is None:
                 raise RuntimeError(
-                    f"{module_label(path)}: a second backward pass ran through the same forward "
+                    f"{module_label(path, layer)}: a second backward pass ran through the same forward "
                     f"(retain_graph=True). Its inputs were freed after the first; run a new forward "
                     f"for each backward."
                 )
@@ -99,8 +99,8 @@ class LayerHooks:
             expected = (batch_size, *param.shape)
             if tuple(grads.shape) != expected:
                 raise RuntimeError(
-                    f"grad sampler {getattr(sampler, '__qualname__', sampler)!r} for {module_label(path)} "
-                    f"({type(layer).__name__}) returned shape {tuple(grads.shape)} for parameter "
+                    f"grad sampler {getattr(sampler, '__qualname__', sampler)!r} for {module_label(path, layer)} "
+                    f"returned shape {tuple(grads.shape)} for parameter "
                     f"{self._param_names.get(param, '?')!r}; expected {expected} (batch, *param.shape)"
                 )
             self._accumulate(param, grads, batch_size)

@@ -284,7 +284,7 @@ def _buffer_written(slot, *, restored: bool) -> str:
         "It now holds values computed from this batch: do not release this model; reload a checkpoint."
     )
     return (
-        f"buffer {where!r} of {module_label(path)} ({type(module).__name__}) was written during a training forward: "
+        f"buffer {where!r} of {module_label(path, module)} was written during a training forward: "
         f"a buffer computed from the batch (running statistics) leaves with the model without noise. Construct the "
         f"module without running statistics (track_running_stats=False), keep it in eval mode, or update the "
         f"buffer outside the training forward if it does not depend on the examples. {after}"

@@ -289,7 +289,7 @@ def _check_wrappable(module: nn.Module, loss_reduction: str, strict: bool) -> No
     for path, submodule in module.named_modules():
         if submodule in HOOKED_MODULES:
             raise ValueError(
-                f"{module_label(path)} is already hooked by another GradSampleModule; call "
+                f"{module_label(path, submodule)} is already hooked by another GradSampleModule; call "
                 f"to_standard_module() on that wrapper first"
             )
     problems = find_problems(module)

@@ -82,9 +82,11 @@ class RowProbe:
     def _compare(self, kind: str, path: str, value) -> None:
         if self.position >= len(self.events) or self.events[self.position][:2] != (kind, path):
             expected = self.events[self.position][1] if self.position < len(self.events) else None
+            modules = dict(self.modules)
+            ran = "nothing" if expected is None else module_label(expected, modules.get(expected))
             self._stop(
-                f"the forward runs different modules on a sub-batch than on the full batch ({module_label(path)} "
-                f"where the sub-batch ran {'nothing' if expected is None else module_label(expected)}): its control "
+                f"the forward runs different modules on a sub-batch than on the full batch "
+                f"({module_label(path, modules.get(path))} where the sub-batch ran {ran}): its control "
                 f"flow depends on the batch as a whole, so examples interact."
             )
         recorded = self.events[self.position][2]
@@ -99,7 +101,8 @@ class RowProbe:
                 continue  # not a tensor of the batch (a mask, position ids, a scalar)
             dim = self._examples_dim(tuple(full.shape), sub_shape, path)
             if dim is None:
-                self._stop(_shape_problem(kind, path, tuple(full.shape), sub_shape, self.batch_size, len(self.rows), self.fixed_dim.get(path)))
+                self._stop(_shape_problem(kind, module_label(path, dict(self.modules).get(path)), tuple(full.shape),
+                                          sub_shape, self.batch_size, len(self.rows), self.fixed_dim.get(path)))
             if not _same_rows(_fingerprint(full.index_select(dim, self.rows), dim), sub_prints.get(dim), full.dtype):
                 self._stop(_value_problem(kind, path, self.modules))
 
@@ -181,11 +184,11 @@ def _same_rows(full: torch.Tensor | None, sub: torch.Tensor | None, dtype: torch
     return bool((difference <= tolerance * scale + 1e-30).all() or not torch.isfinite(full).all())
 
 
-def _shape_problem(kind, path, full_shape, sub_shape, batch_size, sub_rows, fixed_dim) -> str:
+def _shape_problem(kind, label, full_shape, sub_shape, batch_size, sub_rows, fixed_dim) -> str:
     what = "input" if kind == "input" else "output"
     where = f"at dim {fixed_dim}, where the engine reads them for this layer" if fixed_dim is not None else "in one dim"
     return (
-        f"the {what} of {module_label(path)} does not keep the examples {where}: shape {full_shape} for a batch of "
+        f"the {what} of {label} does not keep the examples {where}: shape {full_shape} for a batch of "
         f"{batch_size} but {sub_shape} for {sub_rows} of its examples. A layer run time-major (T, B, F) inside a "
         f"batch-first model (or the reverse) takes another axis for the batch, so its per-example gradients mix "
         f"examples; a tensor built across the batch (batch x batch) mixes them too. Give every layer the examples "
@@ -195,11 +198,11 @@ def _shape_problem(kind, path, full_shape, sub_shape, batch_size, sub_rows, fixe
 
 
 def _value_problem(kind, path, modules) -> str:
-    label = module_label(path)
+    by_path = dict(modules)
+    label = module_label(path, by_path.get(path))
     if kind == "output":
-        kinds = dict(modules)
         return (
-            f"{label} ({type(kinds[path]).__name__}) mixes the examples of a batch: its output for an example "
+            f"{label} mixes the examples of a batch: its output for an example "
             f"changes when other examples are removed from the batch (batch statistics such as "
             f"F.batch_norm(training=True), x - x.mean(0), a normalisation over the batch dim, in-batch "
             f"similarities). Per-example clipping cannot bound one example's influence then. Use a per-example "
@@ -209,7 +212,7 @@ def _value_problem(kind, path, modules) -> str:
     return (
         f"the input of {label} already mixes the examples of a batch (it changes when other examples are removed), "
         f"though every module before it kept them apart: the mixing happens in code outside any submodule, in "
-        f"the forward of {module_label(parent)}. Compute each example from its own row only."
+        f"the forward of {module_label(parent, by_path.get(parent))}. Compute each example from its own row only."
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from privacy_engine.models.validation import module_label
+from privacy_engine.models.validation import submodule_label
 from privacy_engine.training.batch_tickets import BatchTicket
 
 __all__ = ["StepContractBinding"]
@@ -94,14 +94,14 @@ class StepContractBinding:
         if not self._in_forward and not self._released:
             if torch._C._current_autograd_node() is not None:
                 raise RuntimeError(
-                    f"{module_label(path)} ran a forward during a backward pass: activation checkpointing (which "
-                    f"recomputes forwards in backward) is not supported with per-sample gradients. Turn it off "
-                    f"(Hugging Face: model.gradient_checkpointing_disable())."
+                    f"{submodule_label(self._module, path)} ran a forward during a backward pass: activation "
+                    f"checkpointing (which recomputes forwards in backward) is not supported with per-sample "
+                    f"gradients. Turn it off (Hugging Face: model.gradient_checkpointing_disable())."
                 )
             raise RuntimeError(
-                f"{module_label(path)} ran a training forward (training mode, gradients on) without going through "
-                f"its {type(self).__name__}: the wrapped model was called directly. Call the wrapper make_private "
-                f"returned (with Hugging Face Trainer, use privacy_engine.integrations.hf_trainer.DPTrainer, which "
-                f"also draws the batches the accountant records), or call model.eval() / torch.no_grad() for "
-                f"forwards that are not training steps."
+                f"{submodule_label(self._module, path)} ran a training forward (training mode, gradients on) "
+                f"without going through its {type(self).__name__}: the wrapped model was called directly. Call the "
+                f"wrapper make_private returned (with Hugging Face Trainer, use "
+                f"privacy_engine.integrations.hf_trainer.DPTrainer, which also draws the batches the accountant "
+                f"records), or call model.eval() / torch.no_grad() for forwards that are not training steps."
             )

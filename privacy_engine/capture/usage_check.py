@@ -16,7 +16,7 @@ from torch import nn
 
 from grad_samplers import layer_sampler_for, norm_sampler_for
 from privacy_engine.capture.common import ParameterUsageError
-from privacy_engine.models.validation import module_label
+from privacy_engine.models.validation import submodule_label
 
 __all__ = ["UsageCheck", "at_least_float32"]
 
@@ -118,7 +118,7 @@ class UsageCheck:
         if self._check_state != "armed":
             return
         name = self._param_names.get(param, "?")
-        owner = module_label(self._owner_paths.get(param, "?"))
+        owner = submodule_label(self._module, self._owner_paths.get(param))
         received = received.detach()
         explained = self._check_sums.get(param)
         if explained is None:

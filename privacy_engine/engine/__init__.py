@@ -15,10 +15,12 @@ Opacus's keyword names are accepted (``module=``, ``data_loader=``, ``grad_sampl
 
 The modules, in the order of a ``make_private`` call:
 
-- ``options``: ``PrivacyOptions``, every setting, validated with errors that name the field;
+- ``options``: ``PrivacyOptions``, every setting, validated with errors that name the field
+  (``typed_settings``: the same settings as ``TypedDict``s, for static type checkers);
 - ``plan``: options + model, optimizer, loader -> what will be built (noise mechanism, sampling, sigma),
   with ``bands`` (BandMF's number of bands) and ``calibration`` (sigma for an epsilon target);
-- ``build``: the private optimizer, then the wrapped model;
+- ``build``: the private optimizer, then the wrapped model (``make_private`` returns
+  ``(module, optimizer, data_loader)`` in every mode);
 - ``privacy_engine``: ``PrivacyEngine``, which runs the three and keeps the ledger (``ledger``,
   ``budget``); ``checkpoint`` saves and restores a run.
 """

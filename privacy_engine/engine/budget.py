@@ -47,7 +47,9 @@ class PrivacyBudgetExceeded(RuntimeError):
             f"privacy budget exceeded: this release would take epsilon (delta={delta:g}) from "
             f"{epsilon_spent:.6g} spent to {epsilon_after:.6g} > max_epsilon={max_epsilon:g}; "
             f"{steps_left} more step(s) of this kind fit. Nothing was released or recorded: stop "
-            "training here (the model is as of the last released step), or give a larger max_epsilon."
+            "training here (the model is as of the last released step), or make_private with a larger "
+            "max_epsilon (max_epsilon=math.inf: no budget; make_private_with_epsilon's budget defaults to "
+            "target_epsilon, enough for the epochs it was calibrated for)."
         )
 
 
@@ -148,4 +150,5 @@ def budget_from(max_epsilon: float | None, target_delta: float | None) -> Privac
         return None
     if target_delta is None:
         raise ValueError("max_epsilon needs target_delta (the delta the budget's epsilon is taken at), e.g. 1e-5")
-    return PrivacyBudget(max_epsilon, target_delta)
+    # Checked here so that the error names the argument the user gave (PrivacyBudget calls it delta).
+    return PrivacyBudget(max_epsilon, check_delta(target_delta, "target_delta"))

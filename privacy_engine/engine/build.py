@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 from torch import nn
+from torch.utils.data import DataLoader
 
 from accountants import Accountant
 from privacy_engine.capture import GradSampleModule
@@ -72,9 +73,12 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     return optimizer
 
 
-def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple:
-    """Hook the model for ``plan.options.grad_sample_mode`` and return what ``make_private`` returns:
-    ``(module, optimizer, loader)``, or ``(module, optimizer, criterion, loader)`` in ghost mode."""
+def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    """Hook the model for ``plan.options.grad_sample_mode`` and return ``(module, optimizer, loader)``
+    in every mode: ``module`` is a ``GradSampleModule`` ("hooks", "functorch", "ew"), a
+    ``GhostClippingModule`` ("ghost") or a ``ManualGradSampleModule`` ("no_op"); ``optimizer`` is the
+    one given (bound to ``module``); ``loader`` is ``plan.private_loader``. Opacus's ghost-mode
+    criterion is the Opacus namespace's to add (``privacy_engine.opacus.PrivacyEngine``)."""
     options, loader = plan.options, plan.private_loader
     if options.grad_sample_mode == "no_op":
         from privacy_engine.capture.manual import ManualGradSampleModule
@@ -95,9 +99,4 @@ def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple:
     # of it), so padding examples contribute zero in ghost mode as well.
     ghost.attach_clipper(optimizer.clipper, padding_mask_source=optimizer.current_padding_mask)
     optimizer._bind_if_ours(ghost)
-    # Opacus returns a wrapped criterion in ghost mode; here clipping happens inside the ordinary
-    # backward pass, so the criterion is returned as given (default: cross-entropy).
-    criterion = options.criterion
-    if criterion is None:
-        criterion = nn.CrossEntropyLoss(reduction=options.loss_reduction)
-    return ghost, optimizer, criterion, loader
+    return ghost, optimizer, loader

@@ -25,7 +25,7 @@ from accountants import Accountant
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import parameter_groups
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
-from privacy_engine.engine.calibration import calibrate
+from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.truncation import worst_group_size
@@ -72,7 +72,9 @@ class Plan:
 def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loader: Any, accountant: Accountant,
               secure_mode: bool) -> Plan:  # fmt: skip
     """The plan of one ``make_private`` call; raises (see its table) with nothing changed. The
-    accountant is only asked (a fresh copy, or a zero-step record that validates its arguments)."""
+    accountant is only asked (a fresh copy, or a zero-step record that validates its arguments).
+    Warns (``engine.calibration``) when ``target_delta >= 1/N`` and when a calibrated DP-SGD noise
+    multiplier exceeds the expected batch size."""
     model, optimizer, data_loader = _check_objects(model, optimizer, data_loader)
     if secure_mode and options.noise_seed is not None:
         raise ValueError("noise_seed must be None with secure_mode=True (secure noise is seeded from the OS only)")
@@ -97,10 +99,16 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     choice = _choose_noise(options, shape, accountant=accountant, secure_mode=secure_mode)
     private_loader = _private_loader(data_loader, options, shape, num_bands=choice.num_bands,
                                      secure_mode=secure_mode, job=job)  # fmt: skip
+    noise_plan = _noise_plan(options, shape, choice, private_loader, accountant)
+    # Accepted, but likely not what the user wants: said once everything else has been checked.
+    warn_if_delta_too_large(options.target_delta, shape.num_examples)
+    if options.target is not None and noise_plan.num_bands == 1:
+        warn_if_noise_drowns_the_gradient(noise_multiplier=noise_plan.noise_multiplier, target=options.target,
+                                          expected_batch_size=noise_plan.expected_batch_size,
+                                          steps=options.epochs * shape.accounted_steps_per_epoch)  # fmt: skip
     return Plan(
         options=options, model=model, optimizer=optimizer, private_loader=private_loader, params=params,
-        groups=groups, make_noise=choice.make_noise, distributed=job,
-        noise_plan=_noise_plan(options, shape, choice, private_loader, accountant),
+        groups=groups, make_noise=choice.make_noise, distributed=job, noise_plan=noise_plan,
     )  # fmt: skip
 
 

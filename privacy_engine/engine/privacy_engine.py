@@ -9,11 +9,14 @@ privacy ledger; ``engine.ledger``, ``engine.budget``). Checkpoints: ``engine.che
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from typing_extensions import Unpack
 
 from accountants import Accountant
 from privacy_engine.engine import checkpoint
@@ -22,9 +25,43 @@ from privacy_engine.engine.build import private_optimizer, wrap_model
 from privacy_engine.engine.noise_plan import NoisePlan
 from privacy_engine.engine.options import opacus_names, options_from, resolve_accountant, takes_settings
 from privacy_engine.engine.plan import Plan, make_plan
+from privacy_engine.engine.typed_settings import MakePrivateSettings, MakePrivateWithEpsilonSettings
 from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = ["PrivacyEngine"]
+
+#: What the engine's ``make_private`` and ``make_private_with_epsilon`` return, in every mode.
+Private = tuple[nn.Module, DPOptimizer, DataLoader]
+
+# Opacus's ghost-mode criterion: a setting of the Opacus namespace only (see ``_refuse_criterion``).
+_OPACUS_ONLY = ("criterion",)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _engine_settings(entry_point: str) -> Callable[[_Method], _Method]:
+    """``takes_settings(entry_point)`` without the Opacus-only settings in the runtime signature."""
+
+    def decorate(method: _Method) -> _Method:
+        method = takes_settings(entry_point)(method)
+        signature = inspect.signature(method)
+        kept = [p for p in signature.parameters.values() if p.name not in _OPACUS_ONLY]
+        method.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
+        return method
+
+    return decorate
+
+
+def _refuse_criterion(entry_point: str, settings: Mapping[str, Any]) -> None:
+    """TypeError when the engine's ``entry_point`` is given Opacus's ``criterion``: the engine returns
+    ``(module, optimizer, data_loader)`` in every mode, so there is no criterion to hand back."""
+    if "criterion" in settings:
+        raise TypeError(
+            f"{entry_point}() takes no criterion: PrivacyEngine returns (module, optimizer, data_loader) in every "
+            f"grad_sample_mode, ghost included, and your loss function works unchanged; use it as it is. "
+            f"(privacy_engine.opacus.PrivacyEngine takes criterion= and returns (module, optimizer, criterion, "
+            f"data_loader) in ghost mode, as Opacus does.)"
+        )
 
 
 class PrivacyEngine:
@@ -72,15 +109,34 @@ class PrivacyEngine:
         return None if self.noise_plan is None else self.noise_plan.num_bands
 
     # ------------------------------------------------------------------ making things private
-    @takes_settings("make_private")
+    @_engine_settings("make_private")
     def make_private(self, model: nn.Module | None = None, optimizer: Optimizer | None = None,
                      loader: DataLoader | None = None, *, module: nn.Module | None = None,
-                     data_loader: DataLoader | None = None, **settings: Any) -> tuple:  # fmt: skip
-        """Wrap ``model`` (``GradSampleModule``), ``optimizer`` (``DPOptimizer``) and ``loader``
-        (``DPDataLoader``: Poisson sampling, or cyclic Poisson sampling for BandMF) for private
-        training, and record every step with this engine's accountant. ``module`` and
-        ``data_loader`` are Opacus's names for ``model`` and ``loader``; ``settings`` are the fields
-        of ``PrivacyOptions`` (``noise_multiplier`` and ``max_grad_norm`` required), documented there.
+                     data_loader: DataLoader | None = None,
+                     **settings: Unpack[MakePrivateSettings]) -> Private:  # fmt: skip
+        """Wrap ``model``, ``optimizer`` (``DPOptimizer``) and ``loader`` (``DPDataLoader``: Poisson
+        sampling, or cyclic Poisson sampling for BandMF) for private training, and record every step
+        with this engine's accountant. ``module`` and ``data_loader`` are Opacus's names for
+        ``model`` and ``loader``; ``settings`` are the fields of ``PrivacyOptions`` (``noise_multiplier``
+        and ``max_grad_norm`` required), documented there, except Opacus's ``criterion``.
+
+        Returns ``(module, optimizer, data_loader)``, three objects in every ``grad_sample_mode``, so a
+        script switches modes by changing that one keyword:
+
+        ===========================  ===========================  ==============================
+        grad_sample_mode             module                       per-example clipping
+        ===========================  ===========================  ==============================
+        "hooks" (default), "ew",     ``GradSampleModule``         materialised per-sample
+        "functorch"                                               gradients, clipped at step()
+        "ghost"                      ``GhostClippingModule``      fast clipping inside the
+                                                                  ordinary backward pass
+        "no_op"                      ``ManualGradSampleModule``   the loop sets ``p.grad_sample``
+        ===========================  ===========================  ==============================
+
+        ``optimizer`` is the private optimizer (a ``DPOptimizer`` wrapping yours) and ``data_loader``
+        the private loader (a ``DPDataLoader``; with ``poisson_sampling=False``, the loader given).
+        Ghost mode needs no special criterion: compute the loss as usual. Opacus's four-value ghost
+        mode ``(module, optimizer, criterion, data_loader)`` is ``privacy_engine.opacus.PrivacyEngine``'s.
 
         Guarantee: every argument is checked before anything is wrapped; on any error the model,
         optimizer and loader are left exactly as they were. After the call, each
@@ -122,22 +178,27 @@ class PrivacyEngine:
         max_epsilon < 0 / NaN; target_delta not in  ValueError naming it
         (0, 1)
         grad_scaler not a torch.amp.GradScaler      TypeError naming grad_scaler
+        criterion= (Opacus's ghost-mode keyword)    TypeError: use the Opacus namespace or drop it
         ==========================================  =============================================
         """
+        _refuse_criterion("make_private", settings)
         objects, opacus_objects = (model, optimizer, loader), (module, data_loader)
         return self._make_private("make_private", objects, opacus_objects, settings)
 
-    @takes_settings("make_private_with_epsilon")
+    @_engine_settings("make_private_with_epsilon")
     def make_private_with_epsilon(self, model: nn.Module | None = None, optimizer: Optimizer | None = None,
                                   loader: DataLoader | None = None, *, module: nn.Module | None = None,
-                                  data_loader: DataLoader | None = None, **settings: Any) -> tuple:  # fmt: skip
+                                  data_loader: DataLoader | None = None,
+                                  **settings: Unpack[MakePrivateWithEpsilonSettings]) -> Private:  # fmt: skip
         """``make_private`` with the smallest noise multiplier that keeps the whole run within
         ``(target_epsilon, target_delta)``: calibrated with ``accountants.calibrate_noise_multiplier``
         (this engine's accountant kind and settings) over ``steps = epochs * len(private_loader)`` steps of
         the mechanism run (DP-SGD; BandMF's amplified event with its bands and cyclic sample rate;
         truncated sampling with ``max_batch_size``). ``optimizer.noise_multiplier`` holds the result.
         ``settings``: the fields of ``PrivacyOptions`` (``target_epsilon``, ``target_delta``,
-        ``epochs`` and ``max_grad_norm`` required; not ``noise_multiplier``).
+        ``epochs`` and ``max_grad_norm`` required; not ``noise_multiplier``, not ``criterion``).
+
+        Returns ``(module, optimizer, data_loader)`` in every ``grad_sample_mode``, as ``make_private``.
 
         BandMF without ``num_bands``: every candidate b (``CANDIDATE_NUM_BANDS`` the loader allows)
         is calibrated to the target (on a coarser PLD grid, cached), the one with the smallest
@@ -167,19 +228,22 @@ class PrivacyEngine:
         other arguments                     as ``make_private``
         ==================================  ======================================
         """
+        _refuse_criterion("make_private_with_epsilon", settings)
         objects, opacus_objects = (model, optimizer, loader), (module, data_loader)
         return self._make_private("make_private_with_epsilon", objects, opacus_objects, settings)
 
-    def _make_private(self, entry_point: str, objects: tuple, opacus_objects: tuple, settings: dict[str, Any]) -> tuple:
-        """options -> plan -> build, for either entry point."""
-        options = options_from(entry_point, settings)
+    def _make_private(self, entry_point: str, objects: tuple, opacus_objects: tuple,
+                      settings: Mapping[str, Any]) -> Private:  # fmt: skip
+        """options -> plan -> build, for either entry point (and either namespace: Opacus's
+        ``criterion`` is accepted here, and read by ``privacy_engine.opacus.PrivacyEngine``)."""
+        options = options_from(entry_point, dict(settings))
         (model, optimizer, loader), (module, data_loader) = objects, opacus_objects
         model, loader = opacus_names(model, module, loader, data_loader)
         plan = make_plan(options, model=model, optimizer=optimizer, data_loader=loader, accountant=self.accountant,
                          secure_mode=self.secure_mode)  # fmt: skip
         return self._build(plan, options.budget())
 
-    def _build(self, plan: Plan, budget: PrivacyBudget | None) -> tuple:
+    def _build(self, plan: Plan, budget: PrivacyBudget | None) -> Private:
         # Each optimizer of this engine is its own mechanism in the ledger (the first keeps "").
         source = "" if self._optimizers_made == 0 else str(self._optimizers_made)
         optimizer = private_optimizer(plan, accountant=self.accountant, secure_mode=self.secure_mode, budget=budget,

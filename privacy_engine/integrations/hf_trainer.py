@@ -232,8 +232,8 @@ class DPTrainer(transformers.Trainer):
             )
         else:
             result = self.privacy_engine.make_private(noise_multiplier=self.noise_multiplier, **options)
-        # (model, optimizer, loader), or (model, optimizer, criterion, loader) in ghost mode
-        self.private_model, self.optimizer, self._private_loader = result[0], result[1], result[-1]
+        # Three values in every mode; an Opacus-namespace engine (a subclass) adds the criterion in ghost mode.
+        self.private_model, self.optimizer, *_criterion, self._private_loader = result
 
     def _seeding(self) -> dict[str, Any]:
         """The seeding make_private gets on top of ``private_options``; logs where the noise comes from."""

@@ -228,7 +228,7 @@ def _check_fixable(model: nn.Module, options: dict) -> None:
             if type(module) in _BUILT_IN_FIXES and isinstance(module, _BatchNorm) and module.num_features % num_groups:
                 raise ValueError(
                     f"num_groups={num_groups} does not divide the {module.num_features} channels of "
-                    f"{module_label(path)} ({type(module).__name__}); pick a divisor, or leave num_groups out"
+                    f"{module_label(path, module)}; pick a divisor, or leave num_groups out"
                 )
 
 

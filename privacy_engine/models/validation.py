@@ -22,8 +22,26 @@ class InteractingExamplesError(UnsupportedModuleError):
     others, so clipping it does not bound that example's influence on the step (DP-SGD's assumption)."""
 
 
-def module_label(path: str) -> str:
-    return repr(path) if path else "the top-level module"
+def module_label(path: str, module: nn.Module | None = None) -> str:
+    """How messages name a submodule: its path in ``named_modules()`` and, when given, its class.
+
+    ``module_label("0", nn.Linear(2, 3))`` is ``"'0' (Linear)"``; ``module_label("")`` is ``"the
+    top-level module"``; without ``module``, the path alone (``"'0'"``).
+    """
+    label = repr(path) if path else "the top-level module"
+    return label if module is None else f"{label} ({type(module).__name__})"
+
+
+def submodule_label(root: nn.Module, path: str | None) -> str:
+    """``module_label`` of the submodule of ``root`` at ``path``, with its class when it exists (a path
+    that names none, or None, gives the path alone: ``'?'`` for None)."""
+    if path is None:
+        return module_label("?")
+    try:
+        module = root.get_submodule(path)
+    except AttributeError:
+        module = None
+    return module_label(path, module)
 
 
 def batchnorm_problem(path: str, module: nn.Module) -> str:

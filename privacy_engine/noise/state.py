@@ -101,20 +101,49 @@ class NoiseStateMixin:
         different batches reveals the difference of their gradients. Guarantee: every generator is
         replaced by a new one seeded from ``seed`` (``None``: a draw from torch's global generator
         other than the current seed); secure mode: from OS entropy (a ``seed`` raises ValueError).
+        A state loaded before the first step (``load_state_dict`` on a mechanism that has not laid out
+        its noise yet) keeps the new generators' states in its place, so the first step, and a
+        ``state_dict`` saved before it, continue with them. ValueError, with nothing changed, if that
+        saved state is for a device type on which no generator can be made here.
         """
         if self.secure_mode and seed is not None:
             raise ValueError("seed must be None when secure_mode=True: secure mode draws its generators from the OS")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        previous = self._seed
         if not self.secure_mode:
-            previous = self._seed
             self._seed = int(seed) if seed is not None else _global_generator_seed()
             while seed is None and self._seed == previous:
                 self._seed = _global_generator_seed()
+        if self._pending_devices is not None:
+            # A state loaded before the first step: its saved generator states are replaced by those of
+            # the new generators, so the pending state stays one the first step (and a checkpoint written
+            # before it) accepts; secure mode saves none and draws from the OS at the first step.
+            try:
+                self._pending_devices = [
+                    dict(device, generator_states=self._fresh_generator_states(device["device"], device_index))
+                    for device_index, device in enumerate(self._pending_devices)
+                ]
+            except ValueError:
+                self._seed = previous  # nothing changed
+                raise
         for device_index, group in enumerate(self._groups):
             group.generators = self._new_generators(group.device, device_index)
-        if self._pending_devices is not None:
-            self._pending_devices = [dict(device, generator_states=None) for device in self._pending_devices]
+
+    def _fresh_generator_states(self, saved_device: str, device_index: int) -> list[torch.Tensor] | None:
+        """States of the generators ``_new_generators`` makes for the device ``saved_device`` names (any
+        device of its type: a generator's state does not depend on the index); None in secure mode."""
+        if self.secure_mode:
+            return None
+        device_type = torch.device(saved_device).type
+        try:
+            generators = self._new_generators(torch.device(device_type), device_index)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(
+                f"the saved noise state is for a {device_type} device, where no generator can be made here: resume "
+                f"on the same kind of device ({error})"
+            ) from error
+        return [generator.get_state() for generator in generators]
 
     def check_state_dict(self, state: Any, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Raise ``ValueError`` naming the first problem (and what to do) unless

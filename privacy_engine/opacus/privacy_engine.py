@@ -6,8 +6,10 @@ with Opacus's conventions where a script can see them:
 - the constructor (keyword-only ``accountant="prv"``, ``secure_mode``) and accountants with
   Opacus's interface (``privacy_engine.opacus.accountants``: ``prv`` is the PLD accountant);
 - ``make_private`` / ``make_private_with_epsilon`` with Opacus's keywords (``wrap_model``,
-  ``rand_on_empty``); the returned model saves with Opacus's state-dict keys (``_module.`` prefix)
-  and the optimizer is ``privacy_engine.opacus.optimizers.DPOptimizer``;
+  ``rand_on_empty``, ``criterion``) and Opacus's return values (four in ghost mode, with the
+  criterion; the engine's own ``PrivacyEngine`` returns three in every mode); the returned model
+  saves with Opacus's state-dict keys (``_module.`` prefix) and the optimizer is
+  ``privacy_engine.opacus.optimizers.DPOptimizer``;
 - ``load_checkpoint`` also reads files written by Opacus's ``save_checkpoint``.
 """
 
@@ -16,17 +18,21 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from typing_extensions import Unpack
 
 from accountants import Accountant
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
 from privacy_engine.engine import checkpoint
 from privacy_engine.engine.options import takes_settings
+from privacy_engine.engine.typed_settings import OpacusMakePrivateSettings, OpacusMakePrivateWithEpsilonSettings
 from privacy_engine.opacus.accountants import create_accountant
 from privacy_engine.opacus.grad_sample import wrap_opacus_keys
 from privacy_engine.opacus.optimizers import DPOptimizer
@@ -110,27 +116,50 @@ class PrivacyEngine(_PrivacyEngine):
                 "which every layer here handles; random data in its place was never sampled"
             )
 
-    @staticmethod
-    def _as_opacus(made: tuple) -> tuple:
-        module, optimizer, *rest = made
-        wrap_opacus_keys(module)
-        if type(optimizer) is _DPOptimizer:
+    def _make_private_opacus(self, entry_point: str, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader,
+                             settings: Mapping[str, Any]) -> tuple[Any, ...]:  # fmt: skip
+        """The engine's ``entry_point`` with Opacus's return values: ``(module, optimizer,
+        data_loader)``, with the criterion third in ghost mode."""
+        made_module, made_optimizer, made_loader = self._make_private(
+            entry_point, (None, optimizer, None), (module, data_loader), settings
+        )
+        wrap_opacus_keys(made_module)
+        if type(made_optimizer) is _DPOptimizer:
             # The subclass adds methods only (Opacus's attributes and extension points).
-            optimizer.__class__ = DPOptimizer
-        return (module, optimizer, *rest)
+            made_optimizer.__class__ = DPOptimizer
+        if not isinstance(made_module, GhostClippingModule):
+            return made_module, made_optimizer, made_loader
+        # Opacus wraps the criterion in ghost mode to run its second backward pass; here clipping
+        # happens inside the ordinary backward pass, so it comes back as given (default: cross-entropy).
+        criterion = settings.get("criterion")
+        if criterion is None:
+            criterion = nn.CrossEntropyLoss(reduction=made_optimizer.loss_reduction)
+        return made_module, made_optimizer, criterion, made_loader
 
     @takes_settings("make_private")
-    def make_private(self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
-                     rand_on_empty: bool = False, **settings: Any) -> tuple:  # fmt: skip
-        """The engine's ``make_private`` (its guarantee and edge cases) with Opacus's keywords;
-        ``settings``: the fields of ``PrivacyOptions`` (``noise_multiplier``, ``max_grad_norm``, ...).
+    def make_private(  # type: ignore[override]  # Opacus's signature: keywords only, four values in ghost mode
+        self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
+        rand_on_empty: bool = False, **settings: Unpack[OpacusMakePrivateSettings],
+    ) -> tuple[Any, ...]:  # fmt: skip
+        """The engine's ``make_private`` (its guarantee and edge cases) with Opacus's keywords and
+        return values; ``settings``: the fields of ``PrivacyOptions`` (``noise_multiplier``,
+        ``max_grad_norm``, ..., and ``criterion``).
 
-        Returns ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
-        data_loader)`` with ``grad_sample_mode="ghost"`` (the criterion is returned as given:
-        clipping happens inside the ordinary backward pass). ``grad_sample_mode`` may be Opacus's
-        ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias of ``"hooks"``), ``"ghost"`` or
-        ``"no_op"`` (the loop sets ``p.grad_sample`` itself). A ``DPDataLoader`` from an earlier
-        call is accepted (re-planned from the loader it stands for).
+        Returns, as Opacus 1.6 does:
+
+        ======================================  ==============================================
+        grad_sample_mode                        returned
+        ======================================  ==============================================
+        "hooks", "functorch", "ew", "no_op"     ``(module, optimizer, data_loader)``
+        "ghost"                                 ``(module, optimizer, criterion, data_loader)``
+        ======================================  ==============================================
+
+        The criterion is ``criterion=`` as given (default ``nn.CrossEntropyLoss`` with the
+        ``loss_reduction``): clipping happens inside the ordinary backward pass, so it needs no
+        wrapper. (The engine's own ``privacy_engine.PrivacyEngine`` returns three values in every
+        mode.) ``grad_sample_mode`` may be Opacus's ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias
+        of ``"hooks"``), ``"ghost"`` or ``"no_op"`` (the loop sets ``p.grad_sample`` itself). A
+        ``DPDataLoader`` from an earlier call is accepted (re-planned from the loader it stands for).
 
         ==============================  ==========================================
         case                            result
@@ -142,17 +171,17 @@ class PrivacyEngine(_PrivacyEngine):
         ==============================  ==========================================
         """
         self._opacus_options(wrap_model, rand_on_empty)
-        made = super().make_private(module=module, optimizer=optimizer, data_loader=data_loader, **settings)
-        return self._as_opacus(made)
+        return self._make_private_opacus("make_private", module, optimizer, data_loader, settings)
 
     @takes_settings("make_private_with_epsilon")
-    def make_private_with_epsilon(
+    def make_private_with_epsilon(  # type: ignore[override]  # Opacus's signature, as make_private
         self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
-        rand_on_empty: bool = False, **settings: Any,
-    ) -> tuple:  # fmt: skip
+        rand_on_empty: bool = False, **settings: Unpack[OpacusMakePrivateWithEpsilonSettings],
+    ) -> tuple[Any, ...]:  # fmt: skip
         """The engine's ``make_private_with_epsilon`` (calibrated on this engine's accountant over the
-        steps the private loader runs) with Opacus's keywords; see ``make_private``. Like Opacus, it
-        warns when the accountant already holds steps (the calibration assumes it starts empty)."""
+        steps the private loader runs) with Opacus's keywords; returns what ``make_private`` returns
+        (four values in ghost mode, with the criterion). Like Opacus, it warns when the accountant
+        already holds steps (the calibration assumes it starts empty)."""
         self._opacus_options(wrap_model, rand_on_empty)
         if self.accountant.steps > 0:
             warnings.warn(
@@ -160,10 +189,7 @@ class PrivacyEngine(_PrivacyEngine):
                 "this run were the only one, so the total epsilon will exceed target_epsilon",
                 stacklevel=2,
             )
-        made = super().make_private_with_epsilon(
-            module=module, optimizer=optimizer, data_loader=data_loader, **settings
-        )
-        return self._as_opacus(made)
+        return self._make_private_opacus("make_private_with_epsilon", module, optimizer, data_loader, settings)
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(

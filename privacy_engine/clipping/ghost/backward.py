@@ -47,7 +47,7 @@ class BackwardPasses:
         activations = use.activations
         if activations is None:
             raise RuntimeError(
-                f"{module_label(use.path)}: a second backward pass ran through the same forward "
+                f"{module_label(use.path, use.layer)}: a second backward pass ran through the same forward "
                 f"(retain_graph=True). Its inputs were freed after the first; run a new forward for each backward."
             )
         state = self._current_pass()
@@ -56,7 +56,7 @@ class BackwardPasses:
             grads = grads.reshape(use.grad_shape)
         grads, activations = self._batch_first(grads, activations)
         batch_size = grads.shape[0]
-        state.note_batch(use.path, batch_size)
+        state.note_batch(use, batch_size)
         if batch_size == 0:
             # An empty (Poisson) batch: no norms, nothing to sum; samplers need not handle it.
             for param, _ in use.parts:
@@ -93,7 +93,7 @@ class BackwardPasses:
         self._check_live(use.generation)
         state = self._current_pass()
         use.consumed = True
-        state.note_batch(use.path, grads.shape[0])
+        state.note_batch(use, grads.shape[0])
         state.add_materialised(param, None, grads)
 
     def _finish_pass(self) -> None:

@@ -135,7 +135,7 @@ class GatedLayers:
                         own[name] = param
             if not isinstance(output, torch.Tensor):
                 raise TypeError(
-                    f"ghost clipping: {module_label(path)} ({type(layer).__name__}) returned "
+                    f"ghost clipping: {module_label(path, layer)} returned "
                     f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
                 )
             self._check_called_through_wrapper(path)

@@ -78,18 +78,20 @@ class BackwardPass:
 
     def __init__(self, shared: set) -> None:
         self.shared = shared
-        self.batch: tuple[str, int] | None = None
+        self.batch: tuple[Use, int] | None = None  # the first layer the pass reached, and its batch size
         self.squared_norms: dict[nn.Parameter, torch.Tensor] = {}  # unscaled, summed over disjoint rows
         self.deferred: list[tuple[Use, Callable, tuple, torch.Tensor]] = []  # (use, sums, activations, G)
         self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
 
-    def note_batch(self, path: str, batch_size: int) -> None:
+    def note_batch(self, use: Use, batch_size: int) -> None:
         if self.batch is None:
-            self.batch = (path, batch_size)
+            self.batch = (use, batch_size)
         elif self.batch[1] != batch_size:
+            first = self.batch[0]
             raise ValueError(
-                f"ghost clipping: one backward pass reached {module_label(path)} with {batch_size} examples but "
-                f"{module_label(self.batch[0])} with {self.batch[1]}; every layer must see the same batch"
+                f"ghost clipping: one backward pass reached {module_label(use.path, use.layer)} with {batch_size} "
+                f"examples but {module_label(first.path, first.layer)} with {self.batch[1]}; every layer must see "
+                f"the same batch"
             )
 
     def add_squared(self, param: nn.Parameter, squared: torch.Tensor) -> None:
@@ -115,12 +117,12 @@ def check_sampler_result(kind: str, use: Use, result: dict, expected: Callable[[
         value = result.get(param)
         if value is None:
             raise RuntimeError(
-                f"{kind} sampler for {module_label(use.path)} ({type(use.layer).__name__}) returned nothing for a "
+                f"{kind} sampler for {module_label(use.path, use.layer)} returned nothing for a "
                 f"trainable parameter of shape {tuple(param.shape)}"
             )
         if tuple(value.shape) != expected(param, rows):
             raise RuntimeError(
-                f"{kind} sampler for {module_label(use.path)} ({type(use.layer).__name__}) returned shape "
+                f"{kind} sampler for {module_label(use.path, use.layer)} returned shape "
                 f"{tuple(value.shape)} for a parameter of shape {tuple(param.shape)}; expected {expected(param, rows)}"
             )
 
