@@ -81,11 +81,14 @@ class PrivacyOptions:
             drives Poisson sampling.
         grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
             ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast clipping
-            inside the backward pass (``GhostClippingModule``), which then returns ``(module,
-            optimizer, criterion, data_loader)`` as Opacus does. Opacus's ``"ew"`` is an alias of
+            inside the backward pass (``GhostClippingModule``). The engine returns ``(module,
+            optimizer, data_loader)`` in every mode; only the Opacus namespace
+            (``privacy_engine.opacus``) returns ``(module, optimizer, criterion, data_loader)`` in ghost
+            mode, as Opacus does. Opacus's ``"ew"`` is an alias of
             ``"hooks"`` (the same exact gradients). ``"no_op"``: the loop computes the per-sample
             gradients itself and sets ``p.grad_sample`` (``ManualGradSampleModule``).
-        criterion: returned (unchanged) in ghost mode; default ``nn.CrossEntropyLoss``.
+        criterion: Opacus namespace only: returned (unchanged) in ghost mode; default
+            ``nn.CrossEntropyLoss``. The engine's own ``make_private`` refuses it (the loss is yours).
         noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
             Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), or a
             ready ``NoiseMechanism``.
