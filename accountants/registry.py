@@ -22,8 +22,8 @@ def make_accountant(name: str, **settings: Any) -> Accountant:
     =====================================  =========================================
     case                                   result
     =====================================  =========================================
-    "pld" (any case, spaces stripped)      PLDAccountant(**settings)
-    "rdp"                                  RDPAccountant(**settings)
+    "pld" (any case, spaces stripped)      ``PLDAccountant(**settings)``
+    "rdp"                                  ``RDPAccountant(**settings)``
     anything else                          ValueError naming name and the choices
     unknown setting                        TypeError from the constructor
     =====================================  =========================================

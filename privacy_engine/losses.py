@@ -48,14 +48,14 @@ def per_example_token_cross_entropy(
     case                                result
     ==================================  ===========================================================
     example with no labelled token      ``l_i = 0`` with zero gradient (a batch of one gives NaN)
-    every example unlabelled            0 (``"mean"``/``"sum"``)
-    empty batch (0 examples)            0 for ``"mean"``/``"sum"``; an empty vector for ``"none"``
+    every example unlabelled            0 (``"mean"`` or ``"sum"``)
+    empty batch (0 examples)            0 for ``"mean"`` or ``"sum"``; an empty vector for ``"none"``
     ``shift=True`` and ``T = 1``        every ``l_i = 0`` (nothing to predict)
     NaN/Inf logits in example ``i``     ``l_i`` NaN/Inf; other examples unaffected
     label out of ``[0, V)``, not        the error of ``F.cross_entropy``
     ``ignore_index``
-    ``logits`` not ``labels.shape +     ``ValueError`` naming both shapes
-    (V,)``; float labels
+    ``logits`` shape not labels'        ``ValueError`` naming both shapes
+    shape + ``(V,)``; float labels
     unknown ``reduction``               ``ValueError`` listing the allowed values
     ==================================  ===========================================================
 

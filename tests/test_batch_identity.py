@@ -46,8 +46,8 @@ def test_a_model_fed_another_make_private_calls_batches_releases_nothing(mode):
     # One engine, two models made private over one DataLoader: each call returns its own private loader.
     engine = PrivacyEngine(accountant="pld")
     dataset = make_data()
-    _, _, wrapped_a, optimizer_a, loader_a = private(mode, engine=engine, dataset=dataset, batch_size=20)
-    _, model_b, wrapped_b, optimizer_b, loader_b = private(mode, engine=engine, dataset=dataset, batch_size=4,
+    _, _, _wrapped_a, _optimizer_a, loader_a = private(mode, engine=engine, dataset=dataset, batch_size=20)
+    _, model_b, wrapped_b, optimizer_b, _loader_b = private(mode, engine=engine, dataset=dataset, batch_size=4,
                                                           model=make_model(1))  # fmt: skip
     x, y = next(iter(loader_a))  # sampled at q = 0.5; optimizer B accounts q = 0.1
     loss_of(wrapped_b, x, y).backward()
@@ -99,7 +99,7 @@ def test_a_hand_built_optimizer_refuses_a_second_loaders_batches():
 
 
 def test_an_optimizer_is_tied_to_one_loader():
-    engine, model, wrapped, optimizer, loader = private()
+    _engine, _model, _wrapped, optimizer, loader = private()
     other = DPDataLoader.from_data_loader(DataLoader(make_data(), batch_size=8))
     optimizer.attach_loader(loader)  # the same loader again: nothing changes
     with pytest.raises(ValueError, match="one optimizer releases the draws of one private loader"):
@@ -166,7 +166,7 @@ def test_micro_batches_of_a_copy_are_slices_of_one_draw():
 
 
 def test_a_copy_of_a_slice_of_a_batch_is_those_rows():
-    engine, model, wrapped, optimizer, loader = private("hooks")
+    _engine, model, wrapped, optimizer, loader = private("hooks")
     x, y = next(iter(loader))
     before = snapshot(model)
     expected = clipped_sum(model, x[2:5], y[2:5], 0.5)
@@ -189,7 +189,7 @@ class Flatten(nn.Module):
 @pytest.mark.parametrize("view", ["view (B, 2, F/2)", "unsqueeze then squeeze", "row slice"])
 def test_views_that_keep_the_batch_dimension_are_the_batch(view):
     model = Flatten()
-    engine, _, wrapped, optimizer, loader = private("hooks", model=model)
+    _engine, _, wrapped, optimizer, loader = private("hooks", model=model)
     x, y = next(iter(loader))
     make, rows = {
         "view (B, 2, F/2)": (lambda t: t.view(len(t), 2, FEATURES // 2), slice(None)),
@@ -204,7 +204,7 @@ def test_views_that_keep_the_batch_dimension_are_the_batch(view):
 
 
 def test_a_copy_of_a_batch_yielded_long_ago_is_refused_and_move_to_keeps_it():
-    engine, model, wrapped, optimizer, loader = private(batch_size=4)
+    engine, _model, wrapped, optimizer, loader = private(batch_size=4)
     batches = list(loader)
     assert len(batches) > RECENT_BATCHES + 1
     x, y = batches[0]
@@ -238,7 +238,7 @@ def test_a_buffer_refilled_in_place_is_the_batch_it_now_holds():
 
 
 def test_a_loop_that_only_iterates_keeps_a_bounded_number_of_batches():
-    engine, model, wrapped, optimizer, loader = private(batch_size=4)
+    _engine, _model, _wrapped, _optimizer, loader = private(batch_size=4)
     for _ in range(5):
         for _ in loader:
             pass
@@ -249,9 +249,9 @@ def test_a_loop_that_only_iterates_keeps_a_bounded_number_of_batches():
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("fake", ["first half twice", "another batch's rows", "the batch shuffled"])
 def test_a_joined_batch_holding_drawn_rows_releases_nothing(mode, fake):
-    engine, model, wrapped, optimizer, loader = private(mode, batch_size=8)
+    engine, _model, wrapped, _optimizer, loader = private(mode, batch_size=8)
     batches = iter(loader)
-    x, y = next(batches)
+    x, _y = next(batches)
     other, _ = next(batches)
     half = len(x) // 2
     assert len(x) > 1 and len(other) > 0, "the seed should draw two non-empty batches"
@@ -268,7 +268,7 @@ def test_a_joined_batch_holding_drawn_rows_releases_nothing(mode, fake):
 
 def test_an_augmented_copy_that_leaves_some_rows_unchanged_is_joined_to_its_own_examples():
     # Consistency training: row i of the second input is example i's own data (some rows flipped, some not).
-    engine, model, wrapped, optimizer, loader = private("hooks", batch_size=8)
+    engine, _model, wrapped, optimizer, loader = private("hooks", batch_size=8)
     x, y = next(iter(loader))
     augmented = torch.where(torch.arange(len(x))[:, None] % 2 == 0, -x, x)
     out_real, out_augmented = wrapped(x), wrapped(augmented)
@@ -278,7 +278,7 @@ def test_an_augmented_copy_that_leaves_some_rows_unchanged_is_joined_to_its_own_
 
 
 def test_generated_inputs_joined_to_a_drawn_batch_are_clipped_with_its_examples():
-    engine, model, wrapped, optimizer, loader = private("hooks", batch_size=8)
+    _engine, model, wrapped, optimizer, loader = private("hooks", batch_size=8)
     x, y = next(iter(loader))
     fake = torch.randn_like(x)
     before = snapshot(model)
@@ -307,7 +307,7 @@ def test_generated_inputs_joined_to_a_drawn_batch_are_clipped_with_its_examples(
 @pytest.mark.parametrize("rows", ["twice the batch", "one row less"])
 def test_no_op_per_sample_gradients_with_another_row_count_are_refused(rows):
     engine, model, wrapped, optimizer, loader = private("no_op")
-    x, y = next(iter(loader))
+    x, _y = next(iter(loader))
     wrapped(x)
     count = 2 * len(x) if rows == "twice the batch" else len(x) - 1
     for p in model.parameters():
@@ -318,7 +318,7 @@ def test_no_op_per_sample_gradients_with_another_row_count_are_refused(rows):
 
 
 def test_no_op_per_sample_gradients_of_the_batch_are_released_clipped():
-    engine, model, wrapped, optimizer, loader = private("no_op")
+    _engine, model, wrapped, optimizer, loader = private("no_op")
     x, y = next(iter(loader))
     before = snapshot(model)
     expected = clipped_sum(model, x, y, 0.5)
@@ -368,7 +368,7 @@ def test_a_hand_built_optimizer_refuses_a_second_step_without_a_batch():
 
 def test_an_empty_batch_the_loop_skips_is_still_stepped_and_counted():
     # q = 1/40: most Poisson batches are empty; a loop that steps without a forward on them is valid.
-    engine, model, wrapped, optimizer, loader = private(batch_size=1, sigma=1.0)
+    engine, _model, wrapped, optimizer, loader = private(batch_size=1, sigma=1.0)
     steps = 0
     for x, y in loader:
         optimizer.zero_grad()

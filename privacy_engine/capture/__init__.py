@@ -1,20 +1,21 @@
 """Capture: per-sample gradients from an ordinary forward and backward pass (the first layer of the
 data path, before clipping).
 
-=====================  ================================================================
-file                   what it holds
-=====================  ================================================================
-``module.py``          ``GradSampleModule``: the wrapper (wrapping, forward, unwrapping)
-``hooks.py``           forward/gradient hooks of layers with a grad sampler
-``fallback_bridge.py`` modules without a sampler, through ``torch.func`` (``vmap``)
-``batch_size.py``      the batch size of a forward; outputs shared by every example
-``step_binding.py``    the wrapper's side of the step contract (which batch, which pass)
-``usage_check.py``     the first-backward check (``ParameterUsageError``)
-``independence.py``    examples must not interact: buffers written, the first-step row check
-``loss_coupling.py``   losses that couple examples, seen while computed (first step)
-``manual.py``          ``ManualGradSampleModule``: the loop sets ``grad_sample`` itself
-``common.py``          what every wrapper shares (loss reductions, errors, key prefix)
-=====================  ================================================================
+=======================  ================================================================
+file                     what it holds
+=======================  ================================================================
+``module.py``            ``GradSampleModule``: the wrapper (wrapping, forward, unwrapping)
+``hooks.py``             forward/gradient hooks of layers with a grad sampler
+``fallback_bridge.py``   modules without a sampler, through ``torch.func`` (``vmap``)
+``batch_size.py``        the batch size of a forward; outputs shared by every example
+``step_binding.py``      the wrapper's side of the step contract (which batch, which pass)
+``usage_check.py``       the first-backward check (``ParameterUsageError``)
+``independence.py``      examples must not interact: buffers written, the first-step row check
+``row_probe.py``         the row check's instruments: row fingerprints, hooks off, deterministic random ops
+``loss_coupling.py``     losses that couple examples, seen while computed (first step)
+``manual.py``            ``ManualGradSampleModule``: the loop sets ``grad_sample`` itself
+``common.py``            what every wrapper shares (loss reductions, errors, key prefix)
+=======================  ================================================================
 
 Fast clipping (``privacy_engine.clipping.ghost``) builds on ``GradSampleModule``; nothing here imports it.
 """

@@ -34,7 +34,7 @@ def _is_real(value: object) -> bool:
 class ClippingConfig:
     """How per-example gradients are clipped.
 
-    Fields:
+    Keyword Args:
         max_grad_norm: ``"flat"``: one bound ``C >= 0`` (``inf`` disables clipping).
             ``"per_layer"``: one bound per parameter group, or a single number ``C`` that is split
             evenly as ``C / sqrt(G)`` over the ``G`` groups (so the total bound is ``C``).

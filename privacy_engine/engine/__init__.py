@@ -1,5 +1,5 @@
 """The engine: make a model, its optimizer and its data loader private in one call, and keep the
-privacy ledger.
+privacy ledger::
 
     engine = PrivacyEngine(accountant="pld")
     model, optimizer, loader = engine.make_private(
@@ -16,7 +16,7 @@ Opacus's keyword names are accepted (``module=``, ``data_loader=``, ``grad_sampl
 The modules, in the order of a ``make_private`` call:
 
 - ``options``: ``PrivacyOptions``, every setting, validated with errors that name the field
-  (``typed_settings``: the same settings as ``TypedDict``s, for static type checkers);
+  (``typed_settings``: the same settings as ``TypedDict`` classes, for static type checkers);
 - ``plan``: options + model, optimizer, loader -> what will be built (noise mechanism, sampling, sigma),
   with ``bands`` (BandMF's number of bands) and ``calibration`` (sigma for an epsilon target);
 - ``build``: the private optimizer, then the wrapped model (``make_private`` returns

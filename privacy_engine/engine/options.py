@@ -55,7 +55,9 @@ class PrivacyOptions:
     loader aside). Both methods take these fields as keywords; each is checked here, before
     anything is wrapped, with an error that names it.
 
-    Fields (Opacus's names):
+    Opacus's names throughout.
+
+    Keyword Args:
         noise_multiplier: sigma >= 0 (noise std / sensitivity). ``make_private`` needs it;
             ``make_private_with_epsilon`` calibrates it (and refuses it).
         target_epsilon, epochs: ``make_private_with_epsilon``'s target: the whole run of ``epochs``

@@ -66,7 +66,7 @@ def _refuse_criterion(entry_point: str, settings: Mapping[str, Any]) -> None:
 
 class PrivacyEngine:
     """Builds private training from a model, an optimizer and a data loader, and keeps the
-    privacy ledger (one accountant for everything this engine made private).
+    privacy ledger (one accountant for everything this engine made private)::
 
         engine = PrivacyEngine(accountant="pld")
         model, optimizer, loader = engine.make_private(

@@ -119,8 +119,8 @@ class DPTrainer(transformers.Trainer):
     model called with ``labels=``         per-example loss (own token count, mean over examples)
     ``num_items_in_batch`` from Trainer   not passed on (batch-wide count)
     no ``noise_seed``                     noise and sampling seeded from the OS (logged)
-    ``noise_seed`` (or a seed / generator reproducible noise (logged); ``noise_seed`` with a
-    in ``private_options``)               secure-mode engine, or given twice: ``ValueError``
+    ``noise_seed`` (or a seed or          reproducible noise (logged); ``noise_seed`` with a
+    generator in ``private_options``)     secure-mode engine, or given twice: ``ValueError``
     label_smoothing_factor > 0            ``ValueError`` (the smoother couples examples)
     gradient_accumulation_steps > 1       ``ValueError`` (see the module docstring)
     several processes or devices          ``ValueError``

@@ -77,7 +77,7 @@ rows != the forward's examples              one row per drawn example of the las
 ``step()`` again with no new batch (no      ``RuntimeError``, nothing released or counted; a step
 training forward, no backward since the     whose batch is empty and skipped by the loop (no forward)
 last step)                                  releases noise alone and is counted
-a batch released after a later one         ``RuntimeError`` (BandMF rows must increase)
+a batch released after a later one          ``RuntimeError`` (BandMF rows must increase)
 ==========================================  ==========================================================
 """
 
