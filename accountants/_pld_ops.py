@@ -56,6 +56,17 @@ def _is_dense(pmf: Any) -> bool:
     return isinstance(pmf, pld_pmf.DensePLDPmf) and all(hasattr(pmf, name) for name in _DENSE_FIELDS)
 
 
+def nbytes(pld: Any) -> int:
+    """Bytes held by `pld`'s dense pmfs (0 for the NO_LOSS / NON_PRIVATE markers and sparse pmfs):
+    what the accountants' caches bound, since a composed PLD grows with the steps it holds."""
+    total = 0
+    for name in ("_pmf_remove", "_pmf_add"):
+        probs = getattr(getattr(pld, name, None), "_probs", None)
+        if isinstance(probs, np.ndarray):
+            total += probs.nbytes
+    return total
+
+
 def identity(value_discretization_interval: float) -> pld_lib.PrivacyLossDistribution:
     """dp-accounting's identity PLD (what its `PLDAccountant` starts from)."""
     return pld_lib.identity(value_discretization_interval=value_discretization_interval)

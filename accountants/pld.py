@@ -56,9 +56,14 @@ def _atom_pld(atom: AtomCount, grid: float) -> Any:
 
 
 class _LRU(OrderedDict):
-    def __init__(self, capacity: int = 8) -> None:
+    """At most `capacity` values and, beyond the newest one, at most `max_bytes` of PLD data: a
+    composed PLD grows with the steps it holds (about 10 MB at 1000 steps at q = 0.125 on the default
+    grid), so a count bound alone let a long run keep gigabytes of stale prefixes and pieces."""
+
+    def __init__(self, capacity: int = 8, max_bytes: int = 16 * 2**20) -> None:
         super().__init__()
         self.capacity = capacity
+        self.max_bytes = max_bytes
 
     def get(self, key: Any, default: Any = None) -> Any:
         if key in self:
@@ -69,9 +74,12 @@ class _LRU(OrderedDict):
     def put(self, key: Any, value: Any) -> Any:
         self[key] = value
         self.move_to_end(key)
-        while len(self) > self.capacity:
+        while len(self) > self.capacity or (len(self) > 1 and self._bytes() > self.max_bytes):
             self.popitem(last=False)
         return value
+
+    def _bytes(self) -> int:
+        return sum(_pld_ops.nbytes(getattr(value, "pld", value)) for value in self.values())
 
 
 class _PLDCache(CompositionCache):
@@ -189,11 +197,19 @@ class PLDAccountant(Accountant):
         return pld, non_private
 
     def _build_composition(self, sequence: AtomSequence) -> Composition:
-        plds = self._atoms(sequence)
-        if plds is None:  # an event _pld_ops does not know: dp-accounting from scratch
-            return EventComposition(self._new_dp_accountant(), sequence)
         key = sequence_key(sequence)
-        atom_plds = {atom.key: pld for atom, pld in zip(sequence, plds, strict=True)}
+        grid = self._value_discretization_interval
+        # Atom PLDs are built only for the atoms composed onto a cached start: a history whose sigma
+        # changes every step has one atom per step, and building all of them (only the most recent
+        # _ATOM_PLDS_CAPACITY are cached) made each question cost a pass over the whole history.
+        atoms_by_key = {atom.key: atom for atom in sequence}
+
+        class _AtomPlds(dict):
+            def __missing__(self, atom_key: str) -> Any:
+                self[atom_key] = pld = _atom_pld(atoms_by_key[atom_key], grid)
+                return pld
+
+        atom_plds = _AtomPlds()
         best: tuple[int, int, Any, Any] | None = None  # (drift after, compositions, start, extra)
         for cached in self._cache.recent():
             if not isinstance(cached, _PLDComposition):
@@ -215,10 +231,14 @@ class PLDAccountant(Accountant):
         if best is None:
             return self._exact_composition(sequence)
         drift, _, start, extra = best
+        added = [atom.key for atom in sequence[len(start.sequence) :]] if extra is None else list(extra)
+        if any(atom_plds[atom_key] is None for atom_key in added):  # an event _pld_ops does not know
+            return EventComposition(self._new_dp_accountant(), sequence)
         if extra is None:
             known = len(start.sequence)
+            plds = [atom_plds[atom.key] for atom in sequence[known:]]
             pld, non_private = self._compose_entries(
-                start.pld, start.non_private, zip(sequence[known:], plds[known:], strict=True)
+                start.pld, start.non_private, zip(sequence[known:], plds, strict=True)
             )
             composition = _PLDComposition(sequence, pld, non_private=non_private, drift=drift)
             if drift == 0:

@@ -1,10 +1,12 @@
-"""Keep Ctrl-C out of the few lines that commit a private step.
+"""Keep Ctrl-C (and SIGTERM, SIGALRM handlers) out of the few lines that commit a private step.
 
 A private step changes several pieces of state that must move together: the noise mechanism's
 history row and ring position, its step index, the accountant's ledger. Python delivers
 ``KeyboardInterrupt`` between any two bytecodes, so an interrupt there could record a step whose
 noise state did not advance (or the reverse). ``deferred_keyboard_interrupt`` holds the interrupt
 until the block has finished and raises it right after, so the block runs whole or not at all.
+``deferred_signals`` does the same for every signal whose handler raises (a SIGTERM handler that
+raises ``SystemExit``, as preemptible clusters stop jobs; a SIGALRM handler raising ``TimeoutError``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-__all__ = ["deferred_keyboard_interrupt"]
+__all__ = ["deferred_keyboard_interrupt", "deferred_signals"]
 
 
 @contextlib.contextmanager
@@ -55,3 +58,61 @@ def deferred_keyboard_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if received:
         raise KeyboardInterrupt
+
+
+_COMMIT_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGALRM") if hasattr(signal, name)
+)
+_deferring = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_signals(signals: Iterable[signal.Signals] = _COMMIT_SIGNALS) -> Iterator[None]:
+    """Run the block without any signal handler running inside it: a handler for one of ``signals``
+    (default SIGINT, SIGTERM, SIGALRM) whose signal arrives meanwhile runs as soon as the block ends,
+    with the handlers put back, so what it raises (``KeyboardInterrupt``, the ``SystemExit`` of a
+    SIGTERM handler, the ``TimeoutError`` of a SIGALRM handler) is raised after the block.
+
+    Guarantee: in the main thread, for every signal in ``signals`` whose handler is a Python callable
+    (Python's default SIGINT handler included), no exception from that handler is raised part-way
+    through the block; every such signal that arrived is delivered, in arrival order, once the block
+    ends. Nested uses join the outermost one (delivery at its end).
+
+    ========================================  ==============================================
+    case                                      result
+    ========================================  ==============================================
+    no signal during the block                nothing changes
+    signal during the block                   block completes, then the handler runs
+    the block raises                          handlers still run after it (a SIGTERM is never
+                                              dropped); what they raise chains to the block's
+    SIG_DFL / SIG_IGN handler                 not touched (SIG_DFL SIGTERM kills the process:
+                                              no Python state outlives it to be torn)
+    not the main thread                       no protection (Python runs handlers only on
+                                              the main thread, so none interrupts this one)
+    nested block                              joins the outer block
+    ========================================  ==============================================
+    """
+    if threading.current_thread() is not threading.main_thread() or getattr(_deferring, "active", False):
+        yield
+        return
+    received: list[tuple[int, Any]] = []
+    originals: dict[int, Callable[[int, Any], Any]] = {}
+
+    def hold(signum: int, frame: Any) -> None:
+        received.append((signum, frame))
+
+    for signum in signals:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            originals[signum] = handler
+    _deferring.active = True
+    try:
+        for signum in originals:
+            signal.signal(signum, hold)
+        yield
+    finally:
+        for signum, handler in originals.items():
+            signal.signal(signum, handler)
+        _deferring.active = False
+        for signum, frame in received:
+            originals[signum](signum, frame)

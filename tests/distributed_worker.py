@@ -338,6 +338,36 @@ def alias(rank: int) -> dict:
     return {"before": before, "after": flat(model), "noise": type(optimizer.noise).__name__}
 
 
+def skipped(rank: int, mechanism: str) -> dict:
+    """Rank 1 skips step 1 (as a NaN-loss guard would): both ranks must raise at the next all-reduce,
+    naming both steps, and release nothing (the parameters stay as after step 0)."""
+    model = mlp()
+    extra = {"noise_mechanism": "bandmf", "num_bands": 2, "total_steps": 6} if mechanism == "bandmf" else {}
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(IndexedData(48, 5), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        noise_seed=4, **extra,
+    )
+    after_first = None
+    for step, (features, labels, _) in enumerate(private_loader):
+        optimizer.zero_grad()
+        loss = nn.CrossEntropyLoss()(wrapped(features), labels)
+        if rank == 1 and step == 1:
+            continue  # the guard skips this batch on rank 1 only
+        loss.backward()
+        try:
+            optimizer.step()
+        except DistributedStepError as error:
+            return {"error": str(error), "step": step, "steps_recorded": engine.accountant.steps,
+                    "unchanged": bool(torch.equal(flat(model), after_first))}  # fmt: skip
+        if step == 0:
+            after_first = flat(model)
+        if step == 4:
+            break
+    return {"error": None, "steps_recorded": engine.accountant.steps}
+
+
 def stalled(rank: int) -> dict:
     """A subgroup job whose rank 1 stops calling step(): rank 0 must fail within the 1.5 s timeout."""
     group = dist.new_group([0, 1], backend="gloo")
@@ -397,6 +427,7 @@ def main() -> None:
         ("reordered", lambda: reordered(rank)),
         ("checkpoint", lambda: checkpoint(rank, out)), ("fsdp2", lambda: fsdp2(rank)),
         ("unwrapped", lambda: unwrapped_warns(rank)), ("alias", lambda: alias(rank)),
+        ("skipped_gaussian", lambda: skipped(rank, "gaussian")), ("skipped_bandmf", lambda: skipped(rank, "bandmf")),
         ("stalled", lambda: stalled(rank)), ("crashed", lambda: crashed(rank)),
     ]  # fmt: skip
     results["seconds"] = {"start-up": time.monotonic() - STARTED}

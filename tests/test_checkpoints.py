@@ -645,9 +645,9 @@ def test_ctrl_c_during_the_commit_completes_the_step_then_raises(monkeypatch, ki
     _steps(reference, 3)
     real = mechanism._commit
 
-    def interrupted_commit(drawn):
+    def interrupted_commit(*args):
         os.kill(os.getpid(), signal.SIGINT)  # arrives between the commit's statements
-        real(drawn)
+        real(*args)
 
     monkeypatch.setattr(mechanism, "_commit", interrupted_commit)
     with pytest.raises(KeyboardInterrupt):

@@ -377,6 +377,19 @@ def test_a_stalled_rank_makes_the_other_fail_within_the_timeout(job):
 
 
 @pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
+@pytest.mark.parametrize("mechanism", ["gaussian", "bandmf"])
+def test_a_rank_that_skips_a_step_makes_both_ranks_raise_before_releasing_a_mismatched_sum(job, mechanism):
+    rank0, rank1 = both(job, f"skipped_{mechanism}")
+    # Rank 0 releases loader step 1 while rank 1 releases loader step 2: the first all-reduce after the skip.
+    assert rank0["step"] == 1 and rank1["step"] == 2
+    assert "this rank is at global step 1, rank 1 at step 2" in rank0["error"]
+    assert "this rank is at global step 2, rank 0 at step 1" in rank1["error"]
+    for result in (rank0, rank1):
+        assert result["steps_recorded"] == 1  # only step 0 was recorded: nothing mismatched was released
+        assert result["unchanged"]
+
+
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_a_rank_that_raises_makes_the_other_fail_instead_of_hanging(job):
     result = job[0]["crashed"]
     assert result["error"] is not None and "another rank raised, died or stalled" in result["error"]

@@ -26,6 +26,16 @@ class StepContractBinding:
         example first). ``DPOptimizer`` binds the wrappers of its parameters itself."""
         self._consumer = consumer
 
+    def __getstate__(self) -> dict:
+        """Pickle (``torch.save(model)``) the wrapper without its binding: the bound ``DPOptimizer`` holds
+        the loader, its step contract and closures that cannot be pickled, and a saved model must not
+        carry the open step of a training run. A loaded wrapper is unbound (a per-sample gradient tool)
+        until a ``DPOptimizer`` binds it again."""
+        state = self.__dict__.copy()
+        state.update(_consumer=None, _generation_tickets={}, _forward_ticket=None, _grad_sample_ticket=None,
+                     _backward_running=False, _awaiting_backward=False)  # fmt: skip
+        return state
+
     def _before_bound_forward(self) -> None:
         if self._backward_running:
             # The last backward raised part-way: its per-sample gradients are incomplete.
@@ -43,9 +53,12 @@ class StepContractBinding:
                                   join_pending=self._awaiting_backward)  # fmt: skip
         self._awaiting_backward = ticket.tracked
         self._check_second_pass(ticket)
-        if previous is not None and not ticket.same_rows(previous):
-            if self._grad_sample_ticket is None and not contract.already_contributed(previous):
+        if previous is None or not ticket.same_rows(previous):
+            if previous is not None and self._grad_sample_ticket is None and not contract.already_contributed(previous):
                 contract.abandon(previous)  # its backward never ran; a later forward may use the batch
+            # Only the forwards of the live batch can still be backpropagated (``_check_live``): drop the
+            # others' tickets, or the map would keep one ticket (and its padding mask) per step forever.
+            # ``previous is None`` after a step released the batch: every earlier forward is dead too.
             self._generation_tickets = {}
         if self._grad_sample_ticket is not None and not ticket.same_rows(self._grad_sample_ticket):
             self.flush_grad_samples()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from accountants import Accountant, CalibrationError
 from privacy_engine.engine.calibration import COMPARISON_TOLERANCE, calibrate, comparison_accountant
+from privacy_engine.engine.limits import check_bandmf_size
 from privacy_engine.engine.noise_plan import BandCandidate, LoaderShape, NoiseChoice
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.noise import BandMFNoise
@@ -68,6 +69,9 @@ def plan_bandmf(options: PrivacyOptions, shape: LoaderShape, *, accountant: Acco
     if steps is None and options.epochs is not None:
         steps = options.epochs * shape.private_steps_per_epoch
     steps = None if steps is None else int(steps)
+    setting = "total_steps" if options.total_steps is not None else "epochs * steps per epoch (total_steps)"
+    # Before any strategy is optimised: its memory and time grow with the steps (and the bands).
+    check_bandmf_size(total_steps=steps, num_bands=num_bands, optimised=coefficients is None, setting=setting)
     if coefficients is None and num_bands is not None and steps < num_bands:
         raise ValueError(f"total_steps={steps} is smaller than num_bands={num_bands}: use num_bands <= total_steps")
     candidates: tuple[BandCandidate, ...] = ()
@@ -76,6 +80,7 @@ def plan_bandmf(options: PrivacyOptions, shape: LoaderShape, *, accountant: Acco
             b for b in CANDIDATE_NUM_BANDS
             if b <= shape.private_steps_per_epoch and b * shape.batch_size <= shape.num_examples and b <= steps
         ]  # fmt: skip
+        check_bandmf_size(total_steps=steps, num_bands=max(allowed, default=None), setting=setting)
         accounted_steps = None if options.epochs is None else options.epochs * shape.accounted_steps_per_epoch
         candidates = compare_num_bands(allowed, options, shape, total_steps=steps, accounted_steps=accounted_steps,
                                        accountant=accountant)  # fmt: skip

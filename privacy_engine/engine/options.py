@@ -24,8 +24,12 @@ from privacy_engine.capture import LOSS_REDUCTIONS
 from privacy_engine.clipping import CLIPPING_MODES
 from privacy_engine.clipping.rule import validate_max_grad_norm
 from privacy_engine.engine.budget import PrivacyBudget, budget_from
+from privacy_engine.engine.limits import check_bandmf_size, check_target_epsilon
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.noise.strategy import validated_coefficients
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_MAX_NOISE_STD = _FLOAT32_MAX / 2**20  # headroom for tail draws and norms of the noise (~3.2e32)
 
 __all__ = ["ENTRY_POINTS", "PrivacyOptions", "opacus_names", "options_from", "resolve_accountant", "takes_settings"]
 
@@ -142,6 +146,7 @@ class PrivacyOptions:
         self._check_choices()
         self._check_seeding()
         self._check_max_grad_norm()
+        self._check_noise_std()
         self._check_noise_mechanism()
         self._check_max_batch_size()
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
@@ -191,6 +196,7 @@ class PrivacyOptions:
             target_epsilon = real("target_epsilon", self.target_epsilon)
             if not (math.isfinite(target_epsilon) and target_epsilon > 0):
                 raise ValueError(f"target_epsilon must be finite and > 0; got {target_epsilon!r}")
+            check_target_epsilon(target_epsilon)
             target_delta = real("target_delta", self.target_delta)
             if not 0 < target_delta < 1:
                 raise ValueError(
@@ -258,6 +264,26 @@ class PrivacyOptions:
             if value == 0 or (math.isinf(value) and self.sigma > 0):
                 raise ValueError(f"max_grad_norm[{index}] must be finite and > 0; got {each!r}")
 
+    def _check_noise_std(self) -> None:
+        """The noise std, noise_multiplier * max_grad_norm (per-layer: times the norm of the bounds), must
+        be finite in float32, where the noise is drawn and added: beyond, the released gradient and the
+        parameters become inf/NaN. The limit leaves room for the Gaussian's tail (draws of ~10 std) and
+        for the sum of many coordinates' noise in a norm."""
+        if self.noise_multiplier is None or self.sigma == 0:
+            return
+        bound = self.max_grad_norm
+        bounds = list(bound) if isinstance(bound, (list, tuple)) else [bound]
+        try:
+            std = self.sigma * math.hypot(*(float(each) for each in bounds))
+        except (TypeError, ValueError, OverflowError):
+            return  # max_grad_norm's own check names the problem
+        if not std <= _MAX_NOISE_STD:  # also catches an overflow to inf
+            raise ValueError(
+                f"noise_multiplier * max_grad_norm must be at most {_MAX_NOISE_STD:.3g} (the noise is drawn in "
+                f"float32, whose largest value is {_FLOAT32_MAX:.3g}); got noise_multiplier="
+                f"{self.noise_multiplier!r} with max_grad_norm={self.max_grad_norm!r}"
+            )
+
     def _check_noise_mechanism(self) -> None:
         mechanism = self.noise_mechanism
         if isinstance(mechanism, NoiseMechanism):
@@ -300,6 +326,10 @@ class PrivacyOptions:
             raise ValueError(
                 f"total_steps must be an int >= 1 (the number of steps of the run); got {self.total_steps!r}"
             )
+        # Before anything is allocated: the strategy's memory and time grow with both.
+        check_bandmf_size(total_steps=None if self.total_steps is None else int(self.total_steps),
+                          num_bands=None if num_bands is None else int(num_bands),
+                          optimised=self.bandmf_coefficients is None)  # fmt: skip
         if self.bandmf_coefficients is None and self.total_steps is None and self.epochs is None:
             raise ValueError(
                 "total_steps is needed with noise_mechanism='bandmf' (the strategy is optimised for the number of "

@@ -26,6 +26,7 @@ from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import parameter_groups
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
 from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
+from privacy_engine.engine.limits import check_accounted_steps
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.truncation import worst_group_size
@@ -92,6 +93,9 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
         raise UnsupportedModuleError("cannot compute per-sample gradients:\n- " + "\n- ".join(problems))
     groups = _clipping_groups(model, params, options)
     shape = _loader_shape(data_loader, options)
+    if options.target is not None:
+        # Calibration time grows with the accounted steps: refused before any search.
+        check_accounted_steps(options.epochs * shape.accounted_steps_per_epoch, epochs=options.epochs)
     if options.max_batch_size is not None:
         # Raises NotImplementedError naming PLDAccountant if this accountant cannot account for it.
         accountant.fresh().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=0, group_size=1,

@@ -138,11 +138,13 @@ class BandMFNoise(NoiseMechanism):
                 "number of steps"
             )
 
-    def _after_step(self) -> None:
-        if self._fixed_scale is None:
-            self._fixed_scale = self._this_step_scale
-        if self.num_bands > 1:
-            self._ring_position = (self._ring_position + 1) % (self.num_bands - 1)
+    def _next_counters(self) -> tuple[float, int]:
+        fixed_scale = self._this_step_scale if self._fixed_scale is None else self._fixed_scale
+        position = (self._ring_position + 1) % (self.num_bands - 1) if self.num_bands > 1 else self._ring_position
+        return fixed_scale, position
+
+    def _set_counters(self, counters: tuple[float, int]) -> None:
+        self._fixed_scale, self._ring_position = counters
 
     def _history_rows(self) -> int:
         return self.num_bands - 1
@@ -188,10 +190,23 @@ class BandMFNoise(NoiseMechanism):
         history = group.history
         return (self._ring_position, None if history is None else (id(history), history._version))
 
-    def _commit_noise(self, group: _DeviceGroup) -> None:
-        # x_t replaces x_{t-b+1} (no longer needed) in the ring, only now that the step is taken.
-        if self.num_bands > 1:
-            group.history[self._ring_position].copy_(group.noise)
+    def _commit_noise(self, group: _DeviceGroup) -> Callable[[], None]:
+        # x_t replaces x_{t-b+1} (no longer needed once the step is taken) in the ring. The row it overwrites
+        # is kept aside (one row, in a buffer reused across steps) so that a commit failing later, before the
+        # accountant has recorded the step, puts the history back bit for bit.
+        if self.num_bands == 1:
+            return super()._commit_noise(group)
+        row = group.history[self._ring_position]
+        if group.undo_row is None:
+            group.undo_row = torch.empty_like(row)
+        overwritten = group.undo_row
+        overwritten.copy_(row)
+        try:
+            row.copy_(group.noise)
+        except BaseException:
+            row.copy_(overwritten)  # a copy that failed part-way: the row as it was
+            raise
+        return functools.partial(row.copy_, overwritten)
 
     def _extra_state(self) -> dict[str, Any]:
         return {

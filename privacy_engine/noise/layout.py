@@ -65,6 +65,7 @@ class _DeviceGroup:
     secure_scratch: torch.Tensor | None = None
     history: torch.Tensor | None = None  # BandMF ring buffer, shape (b - 1, numel)
     ring_weights: torch.Tensor | None = None  # row p: coefficients rotated for ring position p
+    undo_row: torch.Tensor | None = None  # BandMF: the history row the commit in progress overwrote
     noise_views: list[torch.Tensor] = field(default_factory=list)
     # The next step's draw, made ahead on a background thread (privacy_engine.noise.prefetch): its buffer,
     # views of it, secure-mode scratch, and the copies of the generators it is drawn from.

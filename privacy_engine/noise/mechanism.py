@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from privacy_engine.interrupts import deferred_keyboard_interrupt
+from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import prefetch as noise_prefetch
 from privacy_engine.noise.layout import (
     _SECURE_MODE_GENERATORS,
@@ -33,6 +33,14 @@ from privacy_engine.noise.secure_random import full_entropy_generator
 from privacy_engine.noise.state import NoiseStateMixin
 
 __all__ = ["NoiseMechanism"]
+
+
+def _commit_point(name: str) -> None:
+    """Marks a point inside a step's commit; does nothing. Tests replace it to raise there."""
+
+
+def _nothing_to_undo() -> None:
+    pass
 
 
 class NoiseMechanism(NoiseStateMixin, abc.ABC):
@@ -156,15 +164,19 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         skipped, reused or scaled beyond what the mechanism defines); the step index advances
         by one per successful call, and a call rejected by validation changes nothing.
 
-        Transactional: the noise is drawn and formed in scratch buffers and added to
-        ``tensors``; only then is the step committed (``on_commit()``, then the BandMF history
-        row, ring position and step index), with Ctrl-C held off (``deferred_keyboard_interrupt``).
-        If anything raises before the commit (``KeyboardInterrupt`` included, ``on_commit``
-        included), the generators are put back and the mechanism is exactly as before the call;
-        ``tensors`` may then hold part of the noise and must be discarded. ``on_commit`` is
-        where a caller records the release (the accountant): it runs only when the noise is in
-        place and the step is committed if and only if it returns. A ``KeyboardInterrupt`` that
-        arrives during the commit is raised after it: the step then counts as taken.
+        Transactional, all or nothing against any exception: the noise is drawn and formed in
+        scratch buffers and added to ``tensors``; only then is the step committed (the BandMF
+        history row, ``on_commit()``, then the ring position and step index). Guarantee: when
+        ``add_noise_`` returns or raises, either the step happened whole (noise state advanced,
+        ``on_commit`` returned) or not at all (generators, history, ring position and step index
+        exactly as before the call, and ``on_commit`` either not called or raised). Exceptions
+        raised inside the commit (``on_commit``'s included) undo it; signal handlers (SIGINT's
+        ``KeyboardInterrupt``, a SIGTERM handler's ``SystemExit``, a SIGALRM handler's
+        ``TimeoutError``) are held off during it (``interrupts.deferred_signals``) and raise right
+        after, the step then counting as taken. ``tensors`` hold part of the noise after a step
+        that did not happen and must be discarded. ``on_commit`` is where a caller records the
+        release (the accountant): it runs only when the noise is in place, and it must itself be
+        all or nothing (the mechanism cannot undo what it did before raising).
 
         =========================  ==============================================
         case                       result
@@ -177,6 +189,8 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         tensors empty / not float  ValueError, nothing changed
         shapes differ from step 0  ValueError, nothing changed
         exception before commit    re-raised, mechanism unchanged
+        exception in the commit    re-raised, mechanism unchanged (undone)
+        signal in the commit       step completes, then the handler's exception
         =========================  ==============================================
         """
         scale = self._validated_noise_scale(noise_multiplier, max_grad_norm)
@@ -199,11 +213,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                         self._fill_standard_noise(group, std)
                         row_scale = self._form_noise(group)
                         self._add_to_tensors(group, [tensors[i] for i in group.tensor_indices], row_scale)
-                with deferred_keyboard_interrupt():
-                    if on_commit is not None:
-                        on_commit()
-                    self._commit(drawn)
+                with deferred_signals():
+                    self._commit(drawn, on_commit)
                     committed = True
+                    _commit_point("committed")
         except BaseException:
             if not committed:
                 for group, states in zip(self._groups, generator_states):
@@ -213,22 +226,46 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         if drawn and self._prefetching():
             self._draw_ahead(std)
 
-    def _commit(self, drawn: bool) -> None:
-        """Make this step's noise part of the state (the only place a step changes it)."""
-        if drawn:
-            for group in self._groups:
-                self._commit_noise(group)
-        self._after_step()
+    def _commit(self, drawn: bool, on_commit: Callable[[], None] | None) -> None:
+        """Make this step's noise part of the state and record it (the only place a step changes either).
+
+        All or nothing against any exception: everything that can raise (the history rows, each with the row
+        it overwrites kept aside, and ``on_commit``, the accountant's record) runs first and is undone if
+        anything raises; the new counters are computed into locals before ``on_commit``, and once it returns
+        only plain assignments remain. Signal handlers are held off by the caller (``deferred_signals``)."""
+        undo: list[Callable[[], None]] = []
+        try:
+            _commit_point("start")
+            if drawn:
+                for group in self._groups:
+                    undo.append(self._commit_noise(group))
+                    _commit_point("history_written")
+            counters = self._next_counters()
+            _commit_point("counters_computed")
+            if on_commit is not None:
+                on_commit()
+        except BaseException:
+            for undo_row in reversed(undo):
+                undo_row()
+            raise
+        # Nothing below can raise: the step is recorded, so the state must follow it.
+        self._set_counters(counters)
         self._step += 1
 
     # ------------------------------------------------------------------ subclass hooks
+    # ------------------------------------------------------------------ subclass hooks
+    def _next_counters(self) -> Any:
+        """This step's per-step counters after the step (BandMF: ring position), computed without
+        changing anything; ``_set_counters`` assigns them once the step is recorded and must not raise."""
+        return None
+
+    def _set_counters(self, counters: Any) -> None:
+        pass
+
     def _before_step(self, noise_scale: float) -> None:
         """Validate step-dependent conditions before anything is changed.
 
         ``noise_scale`` is the validated ``noise_multiplier * max_grad_norm``."""
-
-    def _after_step(self) -> None:
-        """Update per-step state after the noise was added."""
 
     def _form_noise(self, group: _DeviceGroup) -> float:
         """Turn ``group.noise`` (iid N(0, s^2)) into this step's noise; return a scale to apply
@@ -246,8 +283,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         while it is unchanged)."""
         return None
 
-    def _commit_noise(self, group: _DeviceGroup) -> None:
-        """Keep what later steps need of this step's noise (``group.noise``), once it is committed."""
+    def _commit_noise(self, group: _DeviceGroup) -> Callable[[], None]:
+        """Keep what later steps need of this step's noise (``group.noise``); return a function that
+        undoes it exactly (called if the commit fails later)."""
+        return _nothing_to_undo
 
     def _history_rows(self) -> int:
         return 0

@@ -38,6 +38,24 @@ __all__ = ["expected_error", "optimize_banded_toeplitz", "strategy_loss"]
 _STEP_DAMPINGS = (10.0, 100.0, 1000.0)
 
 
+#: Largest ``n`` the strategy functions accept: they hold about ten float64 arrays of ``n`` entries
+#: (~80 bytes per step: 0.8 GB here) and take O(n * bands) time per evaluation (10**6 steps with 64
+#: bands: 4.7 s to optimise on 2 CPU cores). ``make_private`` has its own, tighter limits
+#: (``privacy_engine.engine.limits``).
+MAX_STRATEGY_STEPS = 10**7
+#: Largest ``n * bands`` ``optimize_banded_toeplitz`` accepts (~1-2 minutes on 2 CPU cores).
+MAX_OPTIMIZATION_WORK = 10**9
+_BYTES_PER_STEP = 80
+
+
+def _check_steps_cost(n: int) -> None:
+    if n > MAX_STRATEGY_STEPS:
+        raise ValueError(
+            f"n={n} steps exceeds MAX_STRATEGY_STEPS={MAX_STRATEGY_STEPS}: the strategy's error over n steps needs "
+            f"about {n * _BYTES_PER_STEP / 1e9:.3g} GB of memory and O(n * bands) time"
+        )
+
+
 def _validated_n(n: int, name: str = "n") -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"{name} must be a positive int, got {n!r}")
@@ -110,9 +128,11 @@ def strategy_loss(
     C^{-1} grows too fast        inf (floating-point overflow)
     c_0 <= 0, NaN, not 1-D       ValueError naming coefficients
     n < 1                        ValueError naming n
+    n > MAX_STRATEGY_STEPS       ValueError naming n and the memory it would take
     ===========================  ======================================================
     """
     n = _validated_n(n)
+    _check_steps_cost(n)
     coefficients = validated_coefficients(coefficients)[:n]
     if not column_normalized:
         loss, _ = _loss_and_gradient(coefficients, n)
@@ -212,6 +232,8 @@ def optimize_banded_toeplitz(
     bands = 1                  (1.0,) (DP-SGD), loss (n + 1) / 2
     bands > n                  ValueError: only n bands exist in an n x n C
     n, bands < 1 / not int     ValueError naming the argument
+    n > MAX_STRATEGY_STEPS,    ValueError naming n (and bands) and the cost
+    n * bands > MAX_OPT..WORK
     max_iterations < 1         ValueError
     tolerance <= 0 / NaN       ValueError
     =========================  ===============================================
@@ -221,6 +243,12 @@ def optimize_banded_toeplitz(
     if bands > n:
         raise ValueError(
             f"bands={bands} exceeds n={n}: an n x n strategy has at most n bands; use bands <= n"
+        )
+    _check_steps_cost(n)
+    if n * bands > MAX_OPTIMIZATION_WORK:
+        raise ValueError(
+            f"n={n} steps with bands={bands} is {n * bands} step-bands, over MAX_OPTIMIZATION_WORK="
+            f"{MAX_OPTIMIZATION_WORK}: each L-BFGS iteration costs O(n * bands) (10**6 x 64 took 4.7 s to optimise)"
         )
     max_iterations = _validated_n(max_iterations, "max_iterations")
     if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0):

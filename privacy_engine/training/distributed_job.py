@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,14 @@ def _collective_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+_EXACT_INTEGERS = {torch.float32: 2**24, torch.float64: 2**53, torch.int64: 2**63}  # every integer below is exact
+
+
+def _holds_exactly(dtype: torch.dtype, value: int) -> bool:
+    """Whether ``dtype`` holds the integer ``value`` exactly (a step index in a buffer of that dtype)."""
+    return 0 <= value < _EXACT_INTEGERS.get(dtype, 0)
+
+
 def _os_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
@@ -105,6 +113,9 @@ class DistributedJob:
     seed_fingerprint: tuple = ()
     secure_mode: bool = False
     communication_seconds: float = 0.0
+    # The global step index of the batch being released (the engine's private loader's next step; it
+    # advances on every rank alike whether or not the rank steps); None: not known (a user's own loader).
+    loader_step: Callable[[], int] | None = None
 
     @property
     def effective_timeout(self) -> datetime.timedelta | None:
@@ -133,23 +144,60 @@ class DistributedJob:
                 f"Backend said: {error}"
             ) from error
 
-    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor], what: str) -> None:
-        """Sum ``tensors`` over the ranks, in place: one flat all-reduce per (device, dtype)."""
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor], what: str, *, step: int | None = None) -> None:
+        """Sum ``tensors`` over the ranks, in place: one flat all-reduce per (device, dtype).
+
+        ``step``: this rank's global step index. Guarantee: the ranks' indices travel in the same
+        all-reduce (``world_size`` extra entries of the first bucket, rank r writing its index at entry r;
+        a separate tiny int64 all-reduce only when the bucket's dtype cannot hold the index exactly), and
+        if they differ every rank raises ``DistributedStepError`` naming its step and the others' before
+        any tensor is changed: one rank's step is never summed with another's.
+        """
         if self.world_size == 1:
             return  # a job of one rank: the sum is already complete
         start = time.perf_counter()
         buckets: dict[tuple, list[torch.Tensor]] = {}
         for tensor in tensors:
             buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-        for bucket in buckets.values():
-            flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+        reduced = []
+        for number, bucket in enumerate(buckets.values()):
+            parts = [t.reshape(-1) for t in bucket]
+            carries_step = step is not None and number == 0 and _holds_exactly(bucket[0].dtype, step)
+            if carries_step:
+                parts.append(self._step_slots(step, bucket[0].dtype, bucket[0].device))
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
             self.wait(work, what)
+            if carries_step:
+                self._check_steps(flat[-self.world_size :], step, what)
+                step = None
+            reduced.append((bucket, flat))
+        if step is not None:
+            slots = self._step_slots(step, torch.int64, _collective_device(self.process_group))
+            self.wait(dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True), what)
+            self._check_steps(slots, step, what)
+        # Only now that every rank is known to be at the same step are the sums written back.
+        for bucket, flat in reduced:
             offset = 0
             for tensor in bucket:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
         self.communication_seconds += time.perf_counter() - start
+
+    def _step_slots(self, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        slots = torch.zeros(self.world_size, dtype=dtype, device=device)
+        slots[self.rank] = step
+        return slots
+
+    def _check_steps(self, slots: torch.Tensor, step: int, what: str) -> None:
+        steps = [int(v) for v in slots.tolist()]
+        if any(other != step for other in steps):
+            others = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps) if r != self.rank)
+            raise DistributedStepError(
+                f"rank {self.rank} of {self.world_size}: {what}: this rank is at global step {step}, {others}. "
+                "A rank skipped or repeated a step (a NaN-loss guard, a caught exception): every rank must call "
+                "optimizer.step() for every batch of the private loader. Nothing was released; stop the job."
+            )
 
     def broadcast_int(self, value: int, what: str) -> int:
         """Rank 0's ``value`` on every rank."""
@@ -212,6 +260,7 @@ class DistributedJob:
             max_batch_size=max_batch_size, steps=steps, secure=self.secure_mode, shared_seed=shared_seed,
         )  # fmt: skip
         loader.distributed_job = self
+        self.loader_step = lambda: loader.batch_sampler._next_step - 1  # the step of the batch last drawn
         return loader
 
     def agree(self, settings: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.training.distributed_job import DistributedJob
 
@@ -19,7 +20,9 @@ class RankZeroNoise(NoiseMechanism):
     ``add_noise_(sums, sigma, C)`` on every rank: rank 0 adds ``inner``'s noise for this step to
     its local clipped sums; then the sums are all-reduced (SUM) over the ranks, in place; then
     ``on_commit`` runs and the step is committed (on rank 0 inside ``inner``'s transaction, so a
-    failed all-reduce leaves ``inner`` exactly as before the call).
+    failed all-reduce leaves ``inner`` exactly as before the call). The all-reduce carries each rank's
+    global step index (the engine's private loader's step; without it, the number of releases) and
+    fails fast on a mismatch (``DistributedJob.all_reduce_sum_``).
 
     Guarantee: after the call, every rank holds the same values
     ``sum over all ranks' clipped sums + exactly one draw of inner's noise`` (Gaussian or BandMF,
@@ -34,6 +37,9 @@ class RankZeroNoise(NoiseMechanism):
     bad sigma / C (e.g. inf C)          ValueError on every rank, before communicating
     another rank failed / timed out     DistributedStepError; rank 0's noise state is
                                         rolled back (the optimizer drops the .grad)
+    ranks at different global steps    DistributedStepError on every rank naming both
+    (one skipped a batch)               steps, before any sum is written back; nothing
+                                        recorded, rank 0's noise state rolled back
     state saved on a rank other than 0  loading it on rank 0 raises ValueError
     ==================================  ==================================================
     """
@@ -80,15 +86,20 @@ class RankZeroNoise(NoiseMechanism):
                 raise ValueError(f"tensors[{index}] must be a floating-point tensor")
 
         def reduce_then_commit() -> None:
-            self.job.all_reduce_sum_(tensors, f"the all-reduce of global step {self._released} (clipped sums + noise)")
+            # The loader's step, when the engine's loader feeds the job: a rank that skipped a batch is at a later
+            # loader step while its release count is the same, and must not be summed with the others.
+            step = self._released if self.job.loader_step is None else self.job.loader_step()
+            self.job.all_reduce_sum_(tensors, f"the all-reduce of global step {step} (clipped sums + noise)",
+                                     step=step)
             if on_commit is not None:
                 on_commit()
 
-        if self.job.rank == 0:
-            self.inner.add_noise_(tensors, noise_multiplier, max_grad_norm, on_commit=reduce_then_commit)
-        else:
-            reduce_then_commit()
-        self._released += 1
+        with deferred_signals():  # the release and its count move together (inner's own commit joins this)
+            if self.job.rank == 0:
+                self.inner.add_noise_(tensors, noise_multiplier, max_grad_norm, on_commit=reduce_then_commit)
+            else:
+                reduce_then_commit()
+            self._released += 1
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self.inner.state_dict())

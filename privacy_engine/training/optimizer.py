@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from privacy_engine.clipping import ClippingStats, MaxGradNorm, PerSampleGradientClipper
+from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.training.batch_tickets import BatchTicket
 from privacy_engine.training.loss_scaling import LossScaling
@@ -424,9 +425,15 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.pre_step():
-            # The closure is not passed on: re-evaluating it would overwrite the private .grad.
-            self.original_optimizer.step()
+        # A signal handler's exception (Ctrl-C, a SIGTERM handler's SystemExit, a SIGALRM TimeoutError) arriving
+        # once the noise step is committed is held until the parameters are updated too (the noise commit's own
+        # deferral joins this one): a recorded step is always a step the model took.
+        with deferred_signals():
+            stepped = self.pre_step()
+            if stepped:
+                # The closure is not passed on: re-evaluating it would overwrite the private .grad.
+                self.original_optimizer.step()
+        if stepped:
             released = [p.grad for p in self.clipper.params if p.grad is not None]
         else:
             released = []  # nothing released (a virtual step's micro-batch): nothing public to react to

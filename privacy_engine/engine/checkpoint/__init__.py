@@ -22,6 +22,15 @@ checksum is verified before anything is unpickled, so a truncated, bit-flipped o
 reported as such and never reaches the unpickler. ``read_checkpoint`` returns the payload dict for
 inspection (plain ``torch.load`` cannot read the file because of the header).
 
+A valid checksum proves only that the file is as written, not that it was written by us: before
+unpickling, a path that is not a regular file (a FIFO would block forever) is refused, the payload is
+never read beyond the bytes really there, and an archive whose entries are compressed (``torch.save``
+stores them; a compressed one is a bomb) or declare more bytes than the payload holds is refused, so
+memory stays about the file's size. Before anything is restored, the file must agree with itself
+(``checks.check_counters``): at most ``limits.MAX_LEDGER_ENTRIES`` ledger entries, a ledger holding at
+least as many steps for the saved optimizer as its noise step counter, which is at least its released
+steps (a ledger rewritten to fewer steps would restore a smaller epsilon on top of later state).
+
 What a checkpoint holds (``build_checkpoint``): the model's state dict; the optimizer's, with its
 DP state (noise mechanism, clipper accumulator, counters); the engine's (accountant history,
 secure mode, ``noise_plan``); the private loader's sampling state (generator state, position,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from privacy_engine.engine import limits
 from privacy_engine.engine.checkpoint.contents import (
     CLIP_SCHEDULER_KEY,
     ENGINE_KEY,
@@ -22,7 +23,71 @@ from privacy_engine.engine.checkpoint.contents import (
 )
 from privacy_engine.engine.checkpoint.engine_state import check_restored_source
 
-__all__ = ["check_loader_state", "check_module_state", "sampling_generator_kind", "validate"]
+__all__ = ["check_counters", "check_loader_state", "check_module_state", "sampling_generator_kind", "validate"]
+
+
+def _ledger_entries(checkpoint: Mapping) -> list | None:
+    engine_state = checkpoint.get(ENGINE_KEY)
+    accountant_state = engine_state.get("accountant") if isinstance(engine_state, Mapping) else None
+    history = accountant_state.get("history") if isinstance(accountant_state, Mapping) else None
+    return history if isinstance(history, list) else None
+
+
+def check_counters(checkpoint: Mapping) -> None:
+    """Raise ``ValueError`` naming the counters unless the file agrees with itself: at most
+    ``limits.MAX_LEDGER_ENTRIES`` ledger entries (validating each costs time), and for the saved
+    optimizer, the ledger's steps recorded for it at least its noise mechanism's step counter (both
+    advance in the same commit, ``DPOptimizer.step``, so they are equal unless the ledger was
+    restored without the optimizer), which is at least its released steps (``steps_taken``; BandMF
+    rows drawn and discarded count in the first two only). A ledger rewritten to fewer steps (or
+    emptied) would otherwise restore a smaller epsilon on top of the later model and noise state.
+    Changes nothing."""
+    history = _ledger_entries(checkpoint)
+    if history is not None and len(history) > limits.MAX_LEDGER_ENTRIES:
+        raise ValueError(
+            f"its privacy ledger has {len(history)} entries, over the limit MAX_LEDGER_ENTRIES="
+            f"{limits.MAX_LEDGER_ENTRIES} (validating 10**5 entries takes ~3 s, and the time grows with them): a run "
+            "records one entry per change of its settings, so the file was crafted or altered"
+        )
+    optimizer_state = checkpoint.get(OPTIMIZER_KEY)
+    dp_state = optimizer_state.get("privacy_engine.dp_state") if isinstance(optimizer_state, Mapping) else None
+    metadata = checkpoint.get(METADATA_KEY)
+    source = metadata.get("optimizer_source") if isinstance(metadata, Mapping) else None
+    if not isinstance(dp_state, Mapping):
+        return
+    noise_state = dp_state.get("noise")
+    noise_steps = noise_state.get("step") if isinstance(noise_state, Mapping) else None
+    steps_taken = dp_state.get("steps_taken")
+    if not (_is_count(noise_steps) and _is_count(steps_taken)):
+        return  # a custom mechanism without a step counter; the optimizer's own check names bad values
+    if steps_taken > noise_steps:
+        raise ValueError(
+            f"its optimizer released steps_taken={steps_taken} steps but its noise mechanism's step counter is "
+            f"{noise_steps}: every released step draws noise, so the file was altered"
+        )
+    if history is None or not isinstance(source, str):
+        return
+    ledger_steps = 0
+    for entry in history:
+        if isinstance(entry, Mapping) and str(entry.get("source", "")) == source:
+            count = entry.get("num_steps")
+            if not _is_count(count):
+                return  # the accountant's own validation names the damaged entry
+            ledger_steps += count
+    # Fewer, not "different": a ledger with more steps than the optimizer's counters is legitimate (a
+    # run resumed with load_checkpoint(module=...) only keeps the saved ledger and a fresh optimizer) and
+    # only over-reports epsilon; fewer would under-report it.
+    if ledger_steps < noise_steps:
+        raise ValueError(
+            f"its privacy ledger records {ledger_steps} steps for the saved optimizer (source {source!r}), but the "
+            f"optimizer's noise step counter is {noise_steps} (steps_taken={steps_taken}): the ledger and the "
+            "training state do not belong together (the ledger was rewritten, emptied or swapped), and restoring "
+            "them would report the wrong epsilon"
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 def check_module_state(module: nn.Module, saved: Any, *, strict: bool = True) -> None:
     """Raise ``ValueError`` naming the first entry where ``saved`` does not fit ``module``
@@ -152,6 +217,7 @@ def validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: Any
     for key in (MODULE_KEY, ENGINE_KEY):
         if key not in checkpoint:
             raise ValueError(f"the checkpoint has no {key!r} (it was altered)")
+    check_counters(checkpoint)
     engine.check_state_dict(checkpoint[ENGINE_KEY])
     check_module_state(module, checkpoint[MODULE_KEY], strict=strict)
     if optimizer is not None:

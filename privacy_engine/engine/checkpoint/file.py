@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 import struct
 import tempfile
+import zipfile
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ MAGIC = b"PRIVACYENGINECKP"
 FORMAT_VERSION = 1
 PAYLOAD_FORMAT = "privacy_engine.checkpoint/1"
 _HEADER = struct.Struct("<16sIIQ32s")  # magic, version, reserved, payload length, sha256: 64 bytes
+_READ_CHUNK_BYTES = 1 << 24  # 16 MiB: a stream's payload is read in pieces of this size at most
 
 
 class CheckpointError(ValueError):
@@ -153,13 +156,76 @@ def read_checkpoint(path: Any, *, map_location: Any = "cpu") -> dict:
     payload bit-flipped                     "is damaged (checksum ...)"
     a newer format version                  "format version N"
     payload with non-plain objects          "refused to unpickle" (nothing run)
+    a FIFO, folder or device at the path    "not a regular file" (never opened for reading
+                                            in a way that blocks)
+    compressed archive entries (bombs),     "compressed entry" / "declares N bytes": refused
+    entries declaring more than the file    before unpickling; memory stays ~ the file size
     ======================================  ==============================================
     """
     name = display_name(path)
     if isinstance(path, (str, os.PathLike)):
-        with open(path, "rb") as file:
+        _check_regular(os.stat(path), name)  # a FIFO would block open() and read() forever
+        # O_NONBLOCK: should the path become a FIFO between stat and open, open returns at once.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        try:
+            _check_regular(os.fstat(descriptor), name)
+        except BaseException:
+            os.close(descriptor)
+            raise
+        with os.fdopen(descriptor, "rb") as file:
             return _read(file, name, map_location)
     return _read(path, name, map_location)
+
+
+def _check_regular(status: os.stat_result, name: str) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(status.st_mode) else "a folder" if stat.S_ISDIR(status.st_mode)
+                else "a device or socket")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {name} is {kind}, not a regular file: a checkpoint is a file written by "
+            "PrivacyEngine.save_checkpoint (reading anything else could block or never end)"
+        )
+
+
+def _read_at_most(file: Any, length: int) -> bytes:
+    """Up to ``length`` bytes, read in chunks so that memory follows the bytes really there, not a
+    length field (a stream cannot be measured first)."""
+    chunks, remaining = [], length
+    while remaining > 0:
+        chunk = file.read(min(remaining, _READ_CHUNK_BYTES))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_archive(payload: bytes, name: str) -> None:
+    """Refuse a torch.save archive whose entries are compressed or claim more bytes than the
+    payload holds: torch.save stores every entry uncompressed, so the unpickled data can never be
+    larger than the file, and a compressed entry (a "zip bomb": 2.1 MB inflating to 2.1 GB, or
+    millions of ledger entries in 16 kB) was crafted."""
+    if not payload.startswith(b"PK"):
+        return  # the legacy (non-zip) torch.save format: a pickle, no larger than the file
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as error:
+        raise CheckpointError(f"checkpoint {name} holds a damaged archive ({error}); it was altered") from error
+    declared = 0
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(
+                f"checkpoint {name} holds a compressed entry {entry.filename!r} ({entry.compress_size} bytes that "
+                f"would inflate to {entry.file_size}): PrivacyEngine.save_checkpoint never compresses, so the file "
+                "was crafted or altered; nothing was unpickled"
+            )
+        declared += entry.file_size
+    if declared > len(payload):
+        raise CheckpointError(
+            f"checkpoint {name} declares {declared} bytes of entries in a {len(payload)}-byte payload: it was "
+            "altered; nothing was unpickled"
+        )
 
 
 def _read(file: Any, name: str, map_location: Any) -> dict:
@@ -186,7 +252,7 @@ def _read(file: Any, name: str, map_location: Any) -> dict:
         file.seek(start)
         to_read = min(length, available)
     # One bytes object (BytesIO shares it instead of copying): the file is held once in memory.
-    payload = file.read(to_read)
+    payload = file.read(to_read) if file.seekable() else _read_at_most(file, to_read)
     if len(payload) < length:
         raise CheckpointError(
             f"checkpoint {name} is truncated: {len(payload)} of its {length} payload bytes are there (an "
@@ -199,6 +265,7 @@ def _read(file: Any, name: str, map_location: Any) -> dict:
             f"checkpoint {name} is damaged: the SHA-256 of its payload does not match the one stored with it "
             "(bit flips in storage or transfer); use an earlier checkpoint or copy it again"
         )
+    _check_archive(payload, name)
     try:
         checkpoint = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
     except Exception as error:
