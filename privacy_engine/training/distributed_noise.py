@@ -37,7 +37,7 @@ class RankZeroNoise(NoiseMechanism):
     bad sigma / C (e.g. inf C)          ValueError on every rank, before communicating
     another rank failed / timed out     DistributedStepError; rank 0's noise state is
                                         rolled back (the optimizer drops the .grad)
-    ranks at different global steps    DistributedStepError on every rank naming both
+    ranks at different global steps     DistributedStepError on every rank naming both
     (one skipped a batch)               steps, before any sum is written back; nothing
                                         recorded, rank 0's noise state rolled back
     state saved on a rank other than 0  loading it on rank 0 raises ValueError
