@@ -2,9 +2,11 @@
 
 An accountant only records what was released (`HistoryEntry`s, `accountants.history`) and hands the matching
 `DpEvent` to a dp-accounting accountant (RDP or PLD) when asked for epsilon. All privacy maths is
-dp-accounting's.
+dp-accounting's. Each entry's event is the one its noise mechanism stated (an event kind and its
+parameters, `accountants.events.EventSpec`) built by that kind's registered builder: nothing here
+depends on which mechanism it is.
 
-BandMF bookkeeping: an entry of n identical steps over b bands contributes
+BandMF bookkeeping (the default kind's builder): an entry of n identical steps over b bands contributes
 ceil(n / b) participations (see `accountants.events`). Consecutive identical steps are merged into
 one entry, so recording steps one at a time or all at once gives the same epsilon. When the
 mechanism changes mid-run (noise multiplier, sample rate or bands), each entry is composed with
@@ -18,6 +20,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import dp_accounting
@@ -30,7 +33,9 @@ from accountants.composition import (
     EventComposition,
     atom_sequence,
 )
+from accountants.events import DEFAULT_EVENT_KIND
 from accountants.history import HistoryEntry
+from accountants.registry import ACCOUNTANTS
 from accountants.state import AccountantStateMixin
 from accountants.what_if import WhatIfMixin
 
@@ -92,6 +97,8 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         group_size: int | None = None,
         source: str = "",
         batches_per_step: int = 1,
+        mechanism: str = DEFAULT_EVENT_KIND,
+        mechanism_parameters: Mapping[str, Any] | None = None,
     ) -> None:
         """Record `num_steps` identical training steps.
 
@@ -119,6 +126,11 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         batches_per_step = k > 1     k independent Poisson batches in one release: each
                                      example's sensitivity is Binomial(k, q) times the
                                      clip norm (mixture of Gaussians; PLD only)
+        mechanism (+ parameters)     the event kind a noise mechanism stated
+                                     (`NoiseMechanism.privacy_event().step_kwargs()`):
+                                     the entry's event is that kind's registered
+                                     builder's; default "gaussian" (DP-SGD / BandMF)
+        unregistered mechanism       ValueError naming the registered kinds
         out-of-range argument        ValueError / TypeError naming it
         ===========================  ================================================
         """
@@ -134,6 +146,8 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
             max_batch_size=max_batch_size,
             source=source,
             batches_per_step=batches_per_step,
+            mechanism=mechanism,
+            mechanism_parameters=() if mechanism_parameters is None else mechanism_parameters,
         )
         # The latest entry of the same source (other optimizers' steps may have come in between).
         position = next(
@@ -158,8 +172,6 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         event = entry.event()
         if self._new_dp_accountant().supports(event):
             return
-        from accountants.registry import ACCOUNTANTS  # the registry imports this module
-
         others = [
             f"{cls.__name__} (make_accountant({name!r}))"
             for name, cls in ACCOUNTANTS.items()

@@ -19,6 +19,7 @@ where to evaluate:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import dp_accounting
@@ -33,7 +34,7 @@ from accountants._validation import (
     check_truncation,
 )
 from accountants.base import Accountant
-from accountants.events import max_participations
+from accountants.events import DEFAULT_EVENT_KIND, max_participations
 from accountants.pld import PLDAccountant
 from accountants.registry import make_accountant
 
@@ -82,12 +83,15 @@ def calibrate_noise_multiplier(
     group_size: int | None = None,
     max_batch_size: int | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
+    mechanism: str = DEFAULT_EVENT_KIND,
+    mechanism_parameters: Mapping[str, Any] | None = None,
 ) -> float:
     """Smallest noise multiplier whose epsilon at `target_delta` is at most `target_epsilon`.
 
     The mechanism is the one `Accountant.step` records: `steps` DP-SGD steps (num_bands = 1) or
     BandMF steps with cyclic Poisson sampling over `num_bands` groups, optionally truncated
-    (`group_size`, `max_batch_size`), with Poisson sampling probability `sample_rate`.
+    (`group_size`, `max_batch_size`), with Poisson sampling probability `sample_rate`; or the event
+    kind a noise mechanism states (`mechanism`, `mechanism_parameters`: `EventSpec.step_kwargs()`).
 
     Guarantee: for the returned sigma, a fresh accountant of the requested kind and settings,
     after `step(noise_multiplier=sigma, sample_rate=..., num_steps=steps, ...)`, reports
@@ -119,12 +123,17 @@ def calibrate_noise_multiplier(
         group_size: examples sampled from per step, for truncated sampling (with max_batch_size).
         max_batch_size: batch size cap, for truncated sampling (with group_size).
         tolerance: relative precision of the search in sigma, in (0, 0.1].
+        mechanism: the event kind (`accountants.events.register_event_kind`); default DP-SGD / BandMF.
+        mechanism_parameters: that kind's parameters (plain values).
     """
     target_epsilon = check_real(
         "target_epsilon", target_epsilon, low=0.0, low_open=True
     )
     target_delta = check_delta(target_delta, "target_delta")
-    mechanism = _mechanism(sample_rate, steps, num_bands, group_size, max_batch_size)
+    kind = mechanism
+    mechanism = _mechanism(sample_rate, steps, num_bands, group_size, max_batch_size)  # the step's kwargs
+    if mechanism_parameters or kind != DEFAULT_EVENT_KIND:
+        mechanism.update(mechanism=kind, mechanism_parameters=dict(mechanism_parameters or {}))
     tolerance = check_real("tolerance", tolerance, low=0.0, high=0.1, low_open=True)
     template = _resolve_accountant(accountant)
     if isinstance(template, PLDAccountant) and mechanism["num_steps"] > MAX_PLD_CALIBRATION_STEPS:

@@ -115,11 +115,15 @@ class Composition(abc.ABC):
         self._deltas: dict[float, float] = {}
 
     def get_epsilon(self, delta: float) -> float:
+        """Epsilon at `delta` of everything in `sequence` composed; computed once per `delta`, then remembered.
+        `delta` is not validated here (`Accountant.get_epsilon` checks it first)."""
         if delta not in self._epsilons:
             self._epsilons[delta] = float(self._epsilon(delta))
         return self._epsilons[delta]
 
     def get_delta(self, epsilon: float) -> float:
+        """Delta at `epsilon` of everything in `sequence` composed; computed once per `epsilon`, then remembered.
+        `epsilon` is not validated here (`Accountant.get_delta` checks it first)."""
         if epsilon not in self._deltas:
             self._deltas[epsilon] = float(self._delta(epsilon))
         return self._deltas[epsilon]
@@ -158,6 +162,8 @@ class CompositionCache:
         self._compositions: OrderedDict[tuple, Composition] = OrderedDict()
 
     def find(self, sequence: AtomSequence) -> Composition | None:
+        """The cached composition of `sequence` (looked up by `sequence_key`), marked most recently used;
+        None if not cached."""
         key = sequence_key(sequence)
         found = self._compositions.get(key)
         if found is not None:
@@ -165,6 +171,8 @@ class CompositionCache:
         return found
 
     def store(self, composition: Composition) -> Composition:
+        """Cache `composition` (replacing one of the same sequence) as the most recently used, dropping the
+        least recently used beyond `capacity`; returns `composition`."""
         self._compositions[composition.key] = composition
         self._compositions.move_to_end(composition.key)
         while len(self._compositions) > self._capacity:

@@ -1,13 +1,17 @@
 """One entry of an accountant's ledger: `num_steps` consecutive identical training steps.
 
-A `HistoryEntry` is validated on construction, knows the dp-accounting event it stands for
-(`accountants.events`) and round-trips through plain dicts (`to_dict` / `from_dict`), which is how
-accountants save their history in checkpoints.
+A `HistoryEntry` is validated on construction, knows the dp-accounting event it stands for and
+round-trips through plain dicts (`to_dict` / `from_dict`), which is how accountants save their history
+in checkpoints. Its event is what the mechanism stated (`accountants.events.EventSpec`: the kind's name,
+`num_bands` and the kind's parameters, stored as plain fields) built by the kind's registered builder:
+the entry knows no mechanism by name. Entries saved before kinds existed have no `mechanism` key and
+read as the default kind, whose builder gives them exactly the event they had.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import dp_accounting
@@ -15,16 +19,10 @@ import dp_accounting
 from accountants._validation import (
     check_int,
     check_noise_multiplier,
-    check_num_bands,
     check_sample_rate,
     check_truncation,
 )
-from accountants.events import (
-    accumulated_dpsgd_event,
-    bandmf_event,
-    max_participations,
-    truncated_bandmf_event,
-)
+from accountants.events import DEFAULT_EVENT_KIND, EventSpec, Sampling, max_participations
 
 __all__ = ["HistoryEntry"]
 
@@ -34,8 +32,10 @@ class HistoryEntry:
     """`num_steps` consecutive identical training steps.
 
     Fields are validated on construction: noise_multiplier >= 0, sample_rate in [0, 1],
-    num_steps >= 1, num_bands >= 1, and group_size / max_batch_size both None (untruncated
-    Poisson sampling) or both integers >= 1.
+    num_steps >= 1, num_bands >= 1, group_size / max_batch_size both None (untruncated
+    Poisson sampling) or both integers >= 1, a registered `mechanism` kind with plain
+    parameters, and the entry's event is built once (the kind's builder refuses what it cannot
+    account, e.g. several batches per step with BandMF).
     """
 
     noise_multiplier: float
@@ -50,6 +50,11 @@ class HistoryEntry:
     #: Poisson batches (independent draws) accumulated into each noisy release (naive gradient
     #: accumulation); 1 for the usual one batch per step.
     batches_per_step: int = 1
+    #: The event kind the mechanism stated (`accountants.events.register_event_kind`); entries saved
+    #: without it are of the default kind (DP-SGD / BandMF).
+    mechanism: str = DEFAULT_EVENT_KIND
+    #: The kind's parameters: (name, plain value) pairs sorted by name (a dict is accepted).
+    mechanism_parameters: Any = ()
 
     def __post_init__(self) -> None:
         # Normalise to python types so equality, merging and JSON do not depend on the caller's
@@ -61,7 +66,6 @@ class HistoryEntry:
         object.__setattr__(
             self, "num_steps", check_int("num_steps", self.num_steps, low=1)
         )
-        object.__setattr__(self, "num_bands", check_num_bands(self.num_bands))
         group_size, max_batch_size = check_truncation(
             self.group_size, self.max_batch_size
         )
@@ -72,11 +76,10 @@ class HistoryEntry:
         object.__setattr__(
             self, "batches_per_step", check_int("batches_per_step", self.batches_per_step, low=1)
         )
-        if self.batches_per_step > 1 and (self.num_bands > 1 or self.truncated):
-            raise ValueError(
-                "batches_per_step > 1 (several Poisson batches in one release) is accounted for plain "
-                "DP-SGD only; BandMF and truncated sampling need exactly one batch per step"
-            )
+        spec = EventSpec(kind=self.mechanism, num_bands=self.num_bands, parameters=self.mechanism_parameters)
+        object.__setattr__(self, "num_bands", spec.num_bands)
+        object.__setattr__(self, "mechanism_parameters", spec.parameters)
+        _check_buildable(spec, self.sampling, self.noise_multiplier)
 
     @property
     def count(self) -> int:
@@ -85,6 +88,7 @@ class HistoryEntry:
 
     @property
     def truncated(self) -> bool:
+        """Whether these steps used truncated Poisson sampling (`max_batch_size` set; `group_size` too)."""
         return self.max_batch_size is not None
 
     @property
@@ -99,32 +103,51 @@ class HistoryEntry:
 
     def same_mechanism(self, other: HistoryEntry) -> bool:
         """Equal in everything but the step count, so the two may be merged."""
-        return dataclasses.replace(other, num_steps=self.num_steps) == self
+        return all(
+            getattr(self, name) == getattr(other, name) for name in _FIELDS_BUT_STEPS
+        )
+
+    @property
+    def spec(self) -> EventSpec:
+        """What the mechanism stated about these steps (kind, num_bands, parameters)."""
+        return EventSpec(kind=self.mechanism, num_bands=self.num_bands, parameters=self.mechanism_parameters)
+
+    @property
+    def sampling(self) -> Sampling:
+        """How each of these steps drew its batch."""
+        return Sampling(
+            sample_rate=self.sample_rate,
+            group_size=self.group_size,
+            max_batch_size=self.max_batch_size,
+            batches_per_step=self.batches_per_step,
+        )
 
     def event(self) -> dp_accounting.DpEvent:
-        """The dp-accounting event for this entry (see `accountants.events`)."""
-        if self.batches_per_step > 1:
-            return accumulated_dpsgd_event(
-                self.noise_multiplier, self.sample_rate, self.num_steps, self.batches_per_step
-            )
-        if self.truncated:
-            return truncated_bandmf_event(
-                self.noise_multiplier,
-                self.sample_rate,
-                self.num_steps,
-                self.num_bands,
-                self.group_size,
-                self.max_batch_size,
-            )
-        return bandmf_event(
-            self.noise_multiplier, self.sample_rate, self.num_steps, self.num_bands
+        """The dp-accounting event for this entry: the builder of its kind, given its noise
+        multiplier, sampling, step count, num_bands and parameters (`accountants.events.build_event`)."""
+        return self.spec.dp_event(
+            noise_multiplier=self.noise_multiplier, sampling=self.sampling, steps=self.num_steps
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data (JSON, `weights_only`). An entry of the default kind without parameters is
+        written exactly as before kinds existed (no `mechanism` keys), so its checkpoint reads the
+        same in older versions."""
+        data = {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in ("mechanism", "mechanism_parameters")
+        }
+        if self.mechanism != DEFAULT_EVENT_KIND or self.mechanism_parameters:
+            data["mechanism"] = self.mechanism
+            data["mechanism_parameters"] = {name: _listed(value) for name, value in self.mechanism_parameters}
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> HistoryEntry:
+        """The entry `to_dict` wrote (the `mechanism` keys optional: default kind), validated as on
+        construction. TypeError if `data` is not a dict; ValueError naming unknown keys; the field
+        checks' errors (ValueError / TypeError naming the field) for invalid values."""
         if not isinstance(data, dict):
             raise TypeError(
                 f"a history entry must be a dict; got {type(data).__name__}."
@@ -136,3 +159,19 @@ class HistoryEntry:
                 f"history entry has unknown keys {unknown}; allowed: {sorted(fields)}."
             )
         return cls(**data)
+
+
+def _listed(value: Any) -> Any:
+    """Tuples as lists (plain JSON / weights_only data)."""
+    return [_listed(item) for item in value] if isinstance(value, tuple) else value
+
+
+@functools.lru_cache(maxsize=256)
+def _check_buildable(spec: EventSpec, sampling: Sampling, noise_multiplier: float) -> None:
+    """Raise what the kind's builder raises for this mechanism and sampling (the step count does not
+    change what a builder can account, so one step is tried; cached, as entries are rebuilt at every
+    merged step)."""
+    spec.dp_event(noise_multiplier=noise_multiplier, sampling=sampling, steps=1)
+
+
+_FIELDS_BUT_STEPS = tuple(field.name for field in dataclasses.fields(HistoryEntry) if field.name != "num_steps")

@@ -19,6 +19,7 @@ from accountants.composition import (
     additions,
     sequence_key,
 )
+from accountants.registry import register_accountant
 
 __all__ = ["DEFAULT_VALUE_DISCRETIZATION_INTERVAL", "MAX_DRIFT", "PLDAccountant"]
 
@@ -113,6 +114,7 @@ class _PLDComposition(Composition):
         return float(self.pld.get_delta_for_epsilon(epsilon))
 
 
+@register_accountant
 class PLDAccountant(Accountant):
     """Epsilon from the privacy loss distribution (dp-accounting's `PLDAccountant`).
 
@@ -153,9 +155,12 @@ class PLDAccountant(Accountant):
 
     @property
     def value_discretization_interval(self) -> float:
+        """The PLD grid step in nats (validated in (0, 1] at construction)."""
         return self._value_discretization_interval
 
     def settings(self) -> dict[str, Any]:
+        """Constructor keyword arguments that rebuild an equivalent empty accountant:
+        `{"value_discretization_interval": ...}`."""
         return {"value_discretization_interval": self._value_discretization_interval}
 
     def _new_dp_accountant(self) -> dp_accounting.PrivacyAccountant:

@@ -14,6 +14,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from accountants._validation import check_real
 from accountants.base import Accountant
 from accountants.composition import AtomSequence, Composition, CompositionCache
+from accountants.registry import register_accountant
 
 __all__ = ["DEFAULT_RDP_ORDERS", "RDPAccountant"]
 
@@ -74,6 +75,7 @@ class _RDPComposition(Composition):
         return rdp_privacy_accountant.compute_delta(self._orders, self._rdp, epsilon)[0]
 
 
+@register_accountant
 class RDPAccountant(Accountant):
     """Epsilon from Rényi DP at a fixed set of orders (dp-accounting's `RdpAccountant`).
 
@@ -119,9 +121,11 @@ class RDPAccountant(Accountant):
 
     @property
     def orders(self) -> tuple[float, ...]:
+        """The RDP orders epsilon is minimised over (each > 1, finite), as given or `DEFAULT_RDP_ORDERS`."""
         return self._orders
 
     def settings(self) -> dict[str, Any]:
+        """Constructor keyword arguments that rebuild an equivalent empty accountant: `{"orders": [...]}`."""
         return {"orders": list(self._orders)}
 
     def _new_dp_accountant(self) -> dp_accounting.PrivacyAccountant:

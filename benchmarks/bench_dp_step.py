@@ -22,7 +22,7 @@ ratio to ``plain``; the table shows the **median over runs** of those ratios and
 and highest run ratio of the wall times). Three clocks: wall time; the process's CPU time (user +
 system, all threads: on a machine shared with other jobs it is the work done, not the waiting); and
 the main thread's CPU time, which with 1 torch thread is the step's critical path even when a helper
-thread (the background noise draw, ``privacy_engine.noise_prefetch``) works beside it on another core:
+thread (the background noise draw, ``privacy_engine.noise.prefetch``) works beside it on another core:
 with a spare core and no other load, wall time tends to it.
 
 Peak memory: peak RSS growth of a steady-state step, one fresh process per variant
@@ -80,7 +80,7 @@ from workloads import (
 import grad_samplers.registry as sampler_registry
 import privacy_engine.clipping.ghost.attention as ghost_clipping_module
 from accountants import RDPAccountant
-from privacy_engine import GradSampleModule
+from privacy_engine import GradSampleModule, connect_private
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.noise import BandMFNoise, GaussianNoise
 from privacy_engine.noise.strategy import optimize_banded_toeplitz
@@ -142,6 +142,7 @@ def build(workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable 
             wrapped = GradSampleModule(model)
         else:
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
+        connect_private(wrapped, optimizer)
         step = training_step(wrapped, optimizer, loss_fn, (inputs,), targets)
         return Built(step=step, model=model, wrapped=wrapped, optimizer=optimizer)
 
@@ -221,9 +222,9 @@ def profile_variant(
     """Median milliseconds per step in each phase of ``variant`` (see ``PHASES``), on ``clock``."""
     timer = PhaseTimer(clock)
     tables = (
-        (sampler_registry._GRAD_SAMPLERS, "per-sample grads"),
-        (sampler_registry._NORM_SAMPLERS, "per-layer norms"),
-        (sampler_registry._WEIGHTED_SUM_SAMPLERS, "weighted sums"),
+        (sampler_registry.GRAD_SAMPLERS, "per-sample grads"),
+        (sampler_registry.NORM_SAMPLERS, "per-layer norms"),
+        (sampler_registry.WEIGHTED_SUM_SAMPLERS, "weighted sums"),
     )
     sampler_registry.load_plugins()
     saved_tables = [dict(table) for table, _ in tables]

@@ -57,7 +57,7 @@ from workloads import (
     versions,
 )
 
-from privacy_engine import GradSampleModule
+from privacy_engine import GradSampleModule, connect_private
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.noise import GaussianNoise
@@ -110,6 +110,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
         else:
             wrapped = GradSampleModule(model)
+        connect_private(wrapped, optimizer)
         return training_step(wrapped, optimizer, loss_fn, (inputs,), targets)
 
     if variant in ("opacus-hooks", "opacus-ghost"):

@@ -54,7 +54,7 @@ from workloads import (
     versions,
 )
 
-from privacy_engine import GradSampleModule
+from privacy_engine import GradSampleModule, connect_private
 from privacy_engine.training.optimizer import DPOptimizer
 
 LEARNING_RATE = 0.05
@@ -114,6 +114,7 @@ def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[]
                 loss_reduction="mean",
                 noise_seed=seed,
             )
+            connect_private(wrapped, optimizer)
         return _step_then_clear(wrapped, optimizer, loss_fn, inputs, targets)
 
     if variant in ("opacus-psg", "opacus-dp"):

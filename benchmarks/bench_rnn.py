@@ -55,7 +55,7 @@ from workloads import (
     versions,
 )
 
-from privacy_engine import GhostClippingModule, GradSampleModule
+from privacy_engine import GhostClippingModule, GradSampleModule, connect_private
 from privacy_engine.noise import GaussianNoise
 from privacy_engine.training.optimizer import DPOptimizer
 
@@ -121,6 +121,7 @@ def make_step(variant: str, *, packed: bool, seed: int = 0) -> Callable[[], None
             wrapped = GradSampleModule(model)
         else:
             wrapped = GhostClippingModule(model, clipper=optimizer.clipper)
+        connect_private(wrapped, optimizer)
         return training_step(wrapped, optimizer, F.cross_entropy, inputs, labels)
 
     if variant in ("opacus-hooks", "opacus-ghost"):

@@ -218,15 +218,19 @@ def registered_layer_samplers() -> Mapping[type[nn.Module], LayerSampler]:
 def registered_grad_samplers() -> Mapping[type[nn.Module], GradSampler]:
     """A copy of the types that have a grad sampler, with it (after plugins are loaded)."""
     load_plugins()
-    return dict(_GRAD_SAMPLERS)
+    return dict(GRAD_SAMPLERS)
 
 
-class _FormTable(MutableMapping):
-    """One form of every registered sampler, as a ``{layer type: function}`` mapping backed by the single
-    table: the per-form tables of earlier versions (``_GRAD_SAMPLERS`` ...), kept for code that saves,
-    patches and restores them (test fixtures, benchmarks). Setting an entry sets that form only."""
+class FormTable(MutableMapping):
+    """One form of every registered sampler as a ``{layer type: function}`` mapping: a live view of
+    the one table, not a copy. Reading gives the registered function of that form; setting an entry
+    sets that form only (as the form's decorator does); deleting one removes that form, and the type's
+    entry once it has no form left. (Opacus keeps one dict per form, ``GradSampleModule.GRAD_SAMPLERS``
+    and ``NORM_SAMPLERS``, where these views give one form each of a single table.)"""
 
     def __init__(self, form: str) -> None:
+        if form not in _FORMS:
+            raise ValueError(f"form must be one of {_FORMS}; got {form!r}")
         self._form = form
 
     def __getitem__(self, layer_type: type[nn.Module]) -> Callable:
@@ -250,6 +254,6 @@ class _FormTable(MutableMapping):
         return sum(1 for _ in self)
 
 
-_GRAD_SAMPLERS = _FormTable("grad_sample")
-_NORM_SAMPLERS = _FormTable("norm_sample")
-_WEIGHTED_SUM_SAMPLERS = _FormTable("weighted_sum")
+GRAD_SAMPLERS = FormTable("grad_sample")
+NORM_SAMPLERS = FormTable("norm_sample")
+WEIGHTED_SUM_SAMPLERS = FormTable("weighted_sum")

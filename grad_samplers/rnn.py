@@ -1,7 +1,7 @@
 """Exact per-sample gradients for recurrent layers: ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (tanh and
 relu) exactly as a user writes them (multi-layer, bidirectional, ``batch_first`` either way, dropout
 between layers, LSTM projections, padded or ``PackedSequence`` input, with or without an initial
-state), and their Opacus-named subclasses ``privacy_engine.layers.DPLSTM``/``DPGRU``/``DPRNN``.
+state), and any subclass of them.
 
 Why not the ``torch.func`` fallback: the fused recurrent kernels (``aten::lstm`` and friends) have no
 ``vmap`` batching rule. A decomposed recurrence under ``vmap`` would work but is slow: per-example
@@ -319,6 +319,7 @@ def cell_per_sample_forward(
 
 
 def cell_output_batch_size(module: nn.RNNCellBase, output) -> int | None:
+    """Rows of a cell's output (its first tensor when 2-D), or None for an unbatched call."""
     first = output[0] if isinstance(output, tuple) else output
     return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() == 2 else None
 

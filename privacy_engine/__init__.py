@@ -1,10 +1,10 @@
 """privacy-engine: differentially private training for PyTorch.
 
-Data path, one folder each: ``capture/`` (GradSampleModule: hooks, the torch.func fallback) ->
+Data path, one folder each: ``batches/`` (the ticket of each drawn batch) -> ``capture/`` (GradSampleModule: hooks, the torch.func fallback) ->
 ``grad_samplers/`` (per-layer samplers) -> ``clipping/`` (the rule, the materialised clipper, fast
 clipping in ``clipping/ghost/``) -> ``noise/`` (Gaussian, BandMF) -> ``training/`` (DPOptimizer, the
 loop contract, private data loaders, distributed) -> ``accountants/`` -> ``engine/`` (PrivacyEngine:
-options -> plan -> build -> ledger). ``models/`` makes a model trainable (fixer, DP recurrent layers).
+options -> plan -> build -> ledger). ``models/`` makes a model trainable (validation, fixer).
 
 ``accountants`` and ``grad_samplers`` live at the repository's top level and install as top-level
 packages; ``privacy_engine.accountants`` and ``privacy_engine.grad_samplers`` are the same module
@@ -22,37 +22,39 @@ _namespaced.install()
 from accountants import CalibrationError
 from privacy_engine import accountants as accountants
 from privacy_engine import grad_samplers as grad_samplers
+from privacy_engine.auditing import CanaryScoreAuditor, GradientCanaries
+from privacy_engine.batches.tickets import BatchTicket, move_to
 from privacy_engine.capture import GradSampleModule, ParameterUsageError, per_sample_gradients
 from privacy_engine.clipping import ClippingConfig, ClippingStats, PerSampleGradientClipper, parameter_groups
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine import BandCandidate, NoisePlan, PrivacyEngine, PrivacyOptions
 from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
+from privacy_engine.engine.connect import connect_private
 from privacy_engine.losses import per_example_token_cross_entropy
 from privacy_engine.models.fixer import FixReport, ModuleValidator, fix_module
 from privacy_engine.models.validation import InteractingExamplesError, UnsupportedModuleError
 from privacy_engine.noise import BandMFNoise, GaussianNoise, NoiseMechanism
-from privacy_engine.training.batch_tickets import BatchTicket, move_to
 from privacy_engine.training.data_loader import DPDataLoader
-from privacy_engine.training.distributed import DifferentiallyPrivateDistributedDataParallel
+from privacy_engine.training.distributed import PrivateDataParallel
 from privacy_engine.training.optimizer import DPOptimizer
 from privacy_engine.training.step_contract import StepContract
-from privacy_engine.training.virtual_steps import BatchMemoryManager, VirtualSteps
+from privacy_engine.training.virtual_steps import VirtualSteps
 
 __all__ = [
     "BandCandidate",
     "BandMFNoise",
-    "BatchMemoryManager",
     "BatchTicket",
     "CalibrationError",
+    "CanaryScoreAuditor",
     "ClippingConfig",
     "ClippingStats",
     "DPDataLoader",
     "DPOptimizer",
-    "DifferentiallyPrivateDistributedDataParallel",
     "FixReport",
     "GaussianNoise",
     "GhostClippingModule",
     "GradSampleModule",
+    "GradientCanaries",
     "InteractingExamplesError",
     "ModuleValidator",
     "NoiseMechanism",
@@ -63,9 +65,11 @@ __all__ = [
     "PrivacyBudgetExceeded",
     "PrivacyEngine",
     "PrivacyOptions",
+    "PrivateDataParallel",
     "StepContract",
     "UnsupportedModuleError",
     "VirtualSteps",
+    "connect_private",
     "fix_module",
     "move_to",
     "parameter_groups",

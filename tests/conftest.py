@@ -86,7 +86,7 @@ def restore_sampler_registry():
     """Undo every registration a test makes (samplers, plugins loaded) when the test ends."""
     from grad_samplers import registry
 
-    tables = (registry._GRAD_SAMPLERS, registry._NORM_SAMPLERS, registry._WEIGHTED_SUM_SAMPLERS)
+    tables = (registry.GRAD_SAMPLERS, registry.NORM_SAMPLERS, registry.WEIGHTED_SUM_SAMPLERS)
     saved = [dict(table) for table in tables]
     plugins_loaded = registry._plugins_loaded
     yield registry

@@ -33,11 +33,11 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accountants import make_accountant
-from privacy_engine import BatchMemoryManager, PrivacyEngine
+from privacy_engine import PrivacyEngine, VirtualSteps
 from privacy_engine.training.distributed import (
-    DifferentiallyPrivateDistributedDataParallel,
     DistributedSettingsError,
     DistributedStepError,
+    PrivateDataParallel,
     distributed_state,
     load_distributed_state,
 )
@@ -124,7 +124,7 @@ def virtual(rank: int) -> dict:
     )
     record = {"indices": [], "params": []}
     criterion = nn.CrossEntropyLoss()
-    with BatchMemoryManager(data_loader=private_loader, max_physical_batch_size=1, optimizer=dp_optimizer) as batches:
+    with VirtualSteps(data_loader=private_loader, max_physical_batch_size=1, optimizer=dp_optimizer) as batches:
         current: list[int] = []
         for features, labels, indices in batches:
             dp_optimizer.zero_grad()
@@ -144,13 +144,15 @@ def virtual(rank: int) -> dict:
 
 def opacus_names(rank: int) -> dict:
     """A script that builds the pieces by hand under Opacus's names."""
-    from privacy_engine import GradSampleModule
-    from privacy_engine.training.distributed import DistributedDPOptimizer, distributed_data_loader
+    from privacy_engine import GradSampleModule, connect_private
+    from privacy_engine.opacus.optimizers import DistributedDPOptimizer
+    from privacy_engine.training.distributed import distributed_data_loader
 
-    model = DifferentiallyPrivateDistributedDataParallel(mlp())
+    model = PrivateDataParallel(mlp())
     wrapped = GradSampleModule(model)
     optimizer = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
                                        max_grad_norm=1.0, expected_batch_size=4)  # fmt: skip
+    connect_private(wrapped, optimizer)  # the engine's wrapper: a hand-built pair is connected explicitly
     loader = distributed_data_loader(DataLoader(IndexedData(40, 5), batch_size=8))
     record = train(wrapped, optimizer, loader, 3)
     record["expected_batch_size"] = optimizer.expected_batch_size
@@ -330,7 +332,7 @@ def alias(rank: int) -> dict:
     torch.manual_seed(100 + rank)
     model = nn.Linear(3, 2)
     before = flat(model)
-    wrapped = DifferentiallyPrivateDistributedDataParallel(model)
+    wrapped = PrivateDataParallel(model)
     _, optimizer, _ = PrivacyEngine().make_private(
         module=wrapped, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(IndexedData(20, 3), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
@@ -373,7 +375,7 @@ def stalled(rank: int) -> dict:
     group = dist.new_group([0, 1], backend="gloo")
     model = mlp()
     wrapped, optimizer, private_loader = PrivacyEngine().make_private(
-        module=DifferentiallyPrivateDistributedDataParallel(model, process_group=group, timeout=1.5),
+        module=PrivateDataParallel(model, process_group=group, timeout=1.5),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(IndexedData(20, 5), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
     )

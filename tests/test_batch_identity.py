@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from privacy_engine import DPOptimizer, GradSampleModule, PrivacyEngine
-from privacy_engine.training.batch_tickets import RECENT_BATCHES, BatchTicket, find_ticket, move_to, row_runs, tag_batch
+from privacy_engine import DPOptimizer, GradSampleModule, PrivacyEngine, connect_private
+from privacy_engine.batches.tickets import RECENT_BATCHES, BatchTicket, find_ticket, move_to, row_runs, tag_batch
 from privacy_engine.training.data_loader import DPDataLoader
 from tests.test_loop_contract import (
     FEATURES,
@@ -85,6 +85,7 @@ def test_a_hand_built_optimizer_refuses_a_second_loaders_batches():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
                             expected_batch_size=8)  # fmt: skip
+    connect_private(wrapped, optimizer)
     first, second = (DPDataLoader.from_data_loader(DataLoader(make_data(), batch_size=8)) for _ in range(2))
     x, y = next(iter(first))
     loss_of(wrapped, x, y).backward()
@@ -358,6 +359,7 @@ def test_a_hand_built_optimizer_refuses_a_second_step_without_a_batch():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=0.5,
                             expected_batch_size=8)  # fmt: skip
+    connect_private(wrapped, optimizer)
     x, y = make_data(8).tensors
     loss_of(wrapped, x, y).backward()
     optimizer.step()

@@ -10,6 +10,7 @@ uninterrupted run releases.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import pytest
@@ -268,5 +269,99 @@ def test_a_signal_during_an_engine_steps_commit_lets_the_step_finish_and_a_resum
                                data_loader=resumed[3])  # fmt: skip
     got += train_steps(resumed, stream_of(resumed[3]), 3)
     assert resumed[0].accountant.steps == 6
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step} differs from the clean run"
+
+
+# ------------------------------------------------------------------- the optimizer's record of a step
+class _DrawsRaisingOnce(tuple):
+    """A release's draws whose first iteration inside the commit raises (``interrupt``), as any statement of
+    the optimizer's bookkeeping of the release could. Iterations before the commit (the checks) pass."""
+
+    interrupt = None
+
+    def __iter__(self):
+        if _DrawsRaisingOnce.interrupt is not None:
+            interrupt, _DrawsRaisingOnce.interrupt = _DrawsRaisingOnce.interrupt, None
+            interrupt()
+        return super().__iter__()
+
+
+def _record_counters(engine, optimizer) -> tuple:
+    contract = optimizer.contract
+    return (engine.accountant.steps, optimizer.steps_taken, optimizer.noise.step, contract.last_released_step,
+            tuple(id(draw) for draw in contract._released_draws))  # fmt: skip
+
+
+@pytest.mark.parametrize("delivery", ["raised", "signal"])
+@pytest.mark.parametrize("exception_name", list(EXCEPTIONS))
+@pytest.mark.parametrize("site", ["release bookkeeping", "accountant"])
+@pytest.mark.parametrize("mechanism_name", ["gaussian", "bandmf"])
+def test_an_interrupted_record_counts_the_step_everywhere_or_nowhere_and_the_run_goes_on_as_a_clean_one(
+    mechanism_name, site, exception_name, delivery, monkeypatch, raising_signal_handlers
+):
+    """The optimizer's ``record()`` (inside the noise commit) writes the accountant's step, ``steps_taken`` and
+    the step contract's released draws: interrupted in its bookkeeping of the release or in the accountant,
+    all of them advance or none does, and training on (the batch abandoned when its step did not happen)
+    gives bit for bit the parameters of a run that never drew the interruption."""
+    if delivery == "signal" and exception_name not in SIGNALS:
+        pytest.skip("no signal raises an arbitrary exception")
+    from privacy_engine.training import step_contract
+
+    def interrupt() -> None:
+        if delivery == "signal":
+            signal.raise_signal(SIGNALS[exception_name])
+        else:
+            raise EXCEPTIONS[exception_name]("injected")
+
+    run = private_run(mechanism_name)
+    engine, model, optimizer, loader = run
+    stream = stream_of(loader)
+    got = train_steps(run, stream, 2)
+    pending = [False]
+    if site == "release bookkeeping":
+        close = step_contract.StepContract.close
+        monkeypatch.setattr(step_contract.StepContract, "close",
+                            lambda self: dataclasses.replace(close(self), draws=_DrawsRaisingOnce(close(self).draws)))
+        arm = lambda: setattr(_DrawsRaisingOnce, "interrupt", interrupt)
+    else:
+        accountant_step = engine.accountant.step
+
+        def step_raising_once(**kwargs):
+            if pending[0]:
+                pending[0] = False
+                interrupt()  # before the accountant records anything; a signal is held until the commit ends
+            accountant_step(**kwargs)
+
+        monkeypatch.setattr(engine.accountant, "step", step_raising_once)
+        arm = lambda: pending.__setitem__(0, True)
+    monkeypatch.setattr(mechanism_module, "_commit_point", lambda name: name == "counters_computed" and arm())
+
+    before = _record_counters(engine, optimizer)
+    inputs, targets = next(stream)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    with pytest.raises(EXCEPTIONS[exception_name]):
+        optimizer.step()
+    monkeypatch.setattr(mechanism_module, "_commit_point", lambda name: None)
+    assert _DrawsRaisingOnce.interrupt is None and not pending[0], "the interruption point was never reached"
+    after = _record_counters(engine, optimizer)
+    happened = delivery == "signal"
+    if happened:
+        assert after[:3] == tuple(count + 1 for count in before[:3])
+        assert after[3] == 2 and after[4][: len(before[4])] == before[4] and len(after[4]) == len(before[4]) + 1
+        got.append([p.detach().clone() for p in model.parameters()])
+    else:
+        assert after == before
+    got += train_steps(run, stream, 3)
+
+    clean = private_run(mechanism_name)
+    clean_stream = stream_of(clean[3])
+    expected = train_steps(clean, clean_stream, 2)
+    if not happened:
+        next(clean_stream)  # the batch of the step that did not happen: drawn, never released
+    expected += train_steps(clean, clean_stream, len(got) - 2)
+    assert engine.accountant.steps == clean[0].accountant.steps == optimizer.noise.step
+    assert optimizer.steps_taken == clean[2].steps_taken == len(got)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step} differs from the clean run"

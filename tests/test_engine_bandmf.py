@@ -125,12 +125,13 @@ def test_truncated_epsilon_is_dp_accountings_truncated_event_over_the_worst_grou
 
 @pytest.mark.slow
 def test_the_worst_group_size_is_not_the_largest_where_truncation_costs_most_in_the_middle():
+    from accountants.events import EventSpec
     from privacy_engine.engine.truncation import worst_group_size
 
     # q = 0.1, cap 8: the expected batch crosses the cap between 50 and 200 examples.
     sizes, steps = (50, 100, 200), 20
     size, sigma = worst_group_size(sizes, accountant=fast_pld(), target=None, noise_multiplier=1.0, sample_rate=0.1,
-                                   steps=steps, num_bands=1, max_batch_size=8, delta=DELTA)  # fmt: skip
+                                   steps=steps, event=EventSpec(), max_batch_size=8, delta=DELTA)  # fmt: skip
     candidates = sorted(set(sizes) | {n + 1 for n in sizes})  # |g| and |g| + 1 (an added example's group)
     reference = {n: dp_accounting_epsilon("pld", amplified_event(1.0, 0.1, steps, 1, group_size=n, max_batch_size=8))
                  for n in candidates}  # fmt: skip
@@ -138,7 +139,7 @@ def test_the_worst_group_size_is_not_the_largest_where_truncation_costs_most_in_
     assert size < max(sizes)
     # With a target, sigma is the largest calibrated one: the target holds for every size.
     size, sigma = worst_group_size(sizes, accountant=fast_pld(), target=(8.0, DELTA), noise_multiplier=0.0,
-                                   sample_rate=0.1, steps=steps, num_bands=1, max_batch_size=8, delta=None)  # fmt: skip
+                                   sample_rate=0.1, steps=steps, event=EventSpec(), max_batch_size=8, delta=None)  # fmt: skip
     epsilons = [dp_accounting_epsilon("pld", amplified_event(sigma, 0.1, steps, 1, group_size=n, max_batch_size=8))
                 for n in candidates]  # fmt: skip
     assert max(epsilons) <= 8.0 and max(epsilons) > 8.0 * 0.97

@@ -24,7 +24,7 @@ from grad_samplers.linear import (
     linear_weight_norm_form,
     linear_weighted_sums,
 )
-from privacy_engine import GradSampleModule, ParameterUsageError
+from privacy_engine import GradSampleModule, ParameterUsageError, connect_private
 from privacy_engine.clipping import PerSampleGradientClipper, parameter_groups
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.clipping.ghost import backward as ghost_clipping
@@ -498,6 +498,7 @@ def test_dp_optimizer_step_equals_materialised_step(noise):
             expected_batch_size=4, noise=mechanism,
         )  # fmt: skip
         wrapped = GhostClippingModule(copy_, clipper=optimizer.clipper) if ghost else GradSampleModule(copy_)
+        connect_private(wrapped, optimizer)
         for _ in range(2):
             optimizer.zero_grad()
             example_loss(wrapped(*inputs), target).mean().backward()

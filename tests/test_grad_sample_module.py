@@ -191,7 +191,7 @@ def test_module_called_twice_in_one_forward_sums_both_calls():
 @pytest.mark.parametrize("embedding_path", ["registered_sampler", "torch_func_fallback"])
 def test_tied_embedding_and_linear_sum_both_uses(embedding_path, restore_sampler_registry):
     if embedding_path == "torch_func_fallback":
-        restore_sampler_registry._GRAD_SAMPLERS.pop(nn.Embedding, None)
+        restore_sampler_registry.GRAD_SAMPLERS.pop(nn.Embedding, None)
     elif grad_sampler_for(nn.Embedding(2, 2)) is None:
         pytest.skip("no nn.Embedding sampler is registered")
     torch.manual_seed(0)
@@ -451,6 +451,19 @@ def test_parameter_used_outside_its_owner_raises_at_first_backward(also_call_chi
     wrapped = GradSampleModule(model)
     with pytest.raises(ParameterUsageError, match="'fc.weight'"):
         wrapped(torch.randn(3, 3, dtype=DOUBLE)).sum().backward()
+
+
+def test_usage_check_off_is_a_declared_class_option_not_a_state_write():
+    # A wrapper class whose backward never writes .grad (GhostClippingModule) declares the check off; the
+    # same outside use that GradSampleModule refuses then passes through this check unjudged.
+    class Unchecked(GradSampleModule):
+        checks_parameter_usage = False
+
+    model = ReadsChildWeight(also_call_child=False).to(DOUBLE)
+    wrapped = Unchecked(model)
+    wrapped(torch.randn(3, 3, dtype=DOUBLE)).sum().backward()
+    assert wrapped._check_state == "off"
+    assert GradSampleModule(ReadsChildWeight(False).to(DOUBLE))._check_state == "pending"
 
 
 def test_cancelling_per_sample_gradients_are_not_mistaken_for_outside_use():

@@ -619,6 +619,6 @@ def test_layer_norm_rejects_input_without_batch_dimension():
 def test_every_builtin_layer_has_all_three_samplers(layer_type):
     from grad_samplers import registry
 
-    assert layer_type in registry._GRAD_SAMPLERS
-    assert layer_type in registry._NORM_SAMPLERS
-    assert layer_type in registry._WEIGHTED_SUM_SAMPLERS
+    assert layer_type in registry.GRAD_SAMPLERS
+    assert layer_type in registry.NORM_SAMPLERS
+    assert layer_type in registry.WEIGHTED_SUM_SAMPLERS

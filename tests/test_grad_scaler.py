@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from privacy_engine import DPOptimizer, GhostClippingModule, GradSampleModule
+from privacy_engine import DPOptimizer, GhostClippingModule, GradSampleModule, connect_private
 
 MODES = ("hooks", "ghost")
 C = 1.0
@@ -29,6 +29,7 @@ def _private(mode: str, model: nn.Module, *, sigma: float = 0.0, scaler=None, se
                             loss_reduction="sum", noise_seed=seed)  # fmt: skip
     if mode == "ghost":
         wrapped.attach_clipper(optimizer.clipper)
+    connect_private(wrapped, optimizer)
     if scaler is not None:
         optimizer.attach_grad_scaler(scaler)
     return wrapped, optimizer

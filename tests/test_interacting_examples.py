@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from privacy_engine import GradSampleModule, PrivacyEngine, UnsupportedModuleError
+from privacy_engine import GradSampleModule, PrivacyEngine, UnsupportedModuleError, connect_private
 from privacy_engine.models.validation import InteractingExamplesError
 
 MODES = ["hooks", "ghost"]
@@ -26,10 +26,11 @@ def bound_wrapper(model: nn.Module) -> GradSampleModule:
     from privacy_engine import DPOptimizer
 
     wrapped = GradSampleModule(model)
-    wrapped._test_optimizer = DPOptimizer(  # kept alive with the wrapper (it binds itself to it)
+    wrapped._test_optimizer = DPOptimizer(  # kept alive with the wrapper
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=6
     )
-    assert wrapped._consumer is not None
+    connect_private(wrapped, wrapped._test_optimizer)
+    assert wrapped._consumer is wrapped._test_optimizer
     return wrapped
 FEATURES, CLASSES, N, BATCH = 7, 3, 24, 12  # feature and class counts differ from every batch size used
 CLIP = 1.0
@@ -512,6 +513,7 @@ def hand_built_release(model: nn.Module, loss_fn, drop_outlier: bool) -> torch.T
     x, y = (x[1:], y[1:]) if drop_outlier else (x, y)
     wrapped = GradSampleModule(model, strict=False)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=N)
+    connect_private(wrapped, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="strict=False"):
         loss_fn(wrapped(x), y).backward()

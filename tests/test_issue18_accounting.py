@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accountants import make_accountant
-from privacy_engine import PrivacyEngine
+from privacy_engine import PrivacyEngine, connect_private
 
 DELTA = 1e-5
 PLD_INTERVAL = 1e-3  # engine and reference on the same grid: compared exactly, ~10x faster than 1e-4
@@ -489,6 +489,7 @@ def test_a_hand_built_pair_refuses_a_layer_unfrozen_outside_its_optimizer():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
                             noise_multiplier=0.0, max_grad_norm=0.5, expected_batch_size=8)  # fmt: skip
+    connect_private(wrapped, optimizer)
     x, y = make_data(8).tensors
     nn.functional.cross_entropy(wrapped(x), y).backward()
     optimizer.step()  # trains the last layer only

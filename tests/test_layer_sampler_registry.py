@@ -64,16 +64,16 @@ def test_types_may_be_given_in_one_list_as_opacus_writes_them(restore_sampler_re
 
 def test_per_form_tables_are_views_of_the_one_table(restore_sampler_registry):
     registry = restore_sampler_registry
-    assert registry._GRAD_SAMPLERS[nn.Linear] is linear_grad_sample
-    registry._GRAD_SAMPLERS.pop(nn.Linear)
+    assert registry.GRAD_SAMPLERS[nn.Linear] is linear_grad_sample
+    registry.GRAD_SAMPLERS.pop(nn.Linear)
     assert layer_sampler_for(nn.Linear(2, 2)).norm_sample is linear_norm_sample  # the other forms stay
-    assert nn.Linear not in registry._GRAD_SAMPLERS
-    del registry._NORM_SAMPLERS[nn.Linear]
-    del registry._WEIGHTED_SUM_SAMPLERS[nn.Linear]
+    assert nn.Linear not in registry.GRAD_SAMPLERS
+    del registry.NORM_SAMPLERS[nn.Linear]
+    del registry.WEIGHTED_SUM_SAMPLERS[nn.Linear]
     assert layer_sampler_for(nn.Linear(2, 2)) is None  # no form left: no entry
     with pytest.raises(KeyError):
-        del registry._NORM_SAMPLERS[nn.Linear]
-    registry._GRAD_SAMPLERS[nn.Linear] = _replacement_grad_sample
+        del registry.NORM_SAMPLERS[nn.Linear]
+    registry.GRAD_SAMPLERS[nn.Linear] = _replacement_grad_sample
     assert layer_sampler_for(nn.Linear(2, 2)) == LayerSampler(grad_sample=_replacement_grad_sample)
 
 

@@ -164,6 +164,59 @@ def test_the_wrapped_model_pickles_after_training_and_loads_unbound():
     train(model, optimizer, loader, 2)  # pickling left the original bound and training
 
 
+class _Scale(nn.Module):
+    """A layer no grad sampler knows: its per-sample gradients come from the torch.func fallback, whose
+    forward the wrapper replaces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 2))
+
+    def forward(self, inputs):
+        return inputs * self.weight
+
+
+class _SelfAttention(nn.Module):
+    """nn.MultiheadAttention over a sequence of one (fast clipping decomposes it; hooks mode uses the fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, inputs):
+        sequence = inputs.unsqueeze(1)
+        return self.attention(sequence, sequence, sequence, need_weights=False)[0].squeeze(1)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_a_model_with_replaced_forwards_pickles_after_training_and_loads_with_the_same_outputs(mode):
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _SelfAttention(), nn.Tanh(), nn.Linear(4, 2), _Scale())
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+    )  # fmt: skip
+    train(model, optimizer, loader, 3)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # ghost mode raised "Can't pickle local object" (the gated forwards, a WeakSet)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._consumer is None and getattr(loaded, "clipper", None) is None  # the run stays behind
+    for (name, saved), (_, original) in zip(loaded.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(saved, original), name
+    inputs = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs), model(inputs), rtol=0, atol=0)
+    loaded.eval()
+    model.eval()
+    torch.testing.assert_close(loaded(inputs), model(inputs), rtol=0, atol=0)
+    model.train()
+    train(model, optimizer, loader, 2)  # pickling left the original bound and training
+
+
 def test_a_step_with_a_new_sigma_builds_only_its_own_pld_when_epsilon_is_asked(monkeypatch):
     import accountants._pld_ops as pld_ops
     from accountants import make_accountant
@@ -178,3 +231,28 @@ def test_a_step_with_a_new_sigma_builds_only_its_own_pld_when_epsilon_is_asked(m
     accountant.step(noise_multiplier=3.0, sample_rate=0.125)
     accountant.get_epsilon(1e-5)
     assert len(built) == 1  # before issue 27: all 41 (the 16-entry atom cache thrashed)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_dropped_private_run_is_freed_by_the_garbage_collector_and_its_workers_end(mode):
+    # Freed by the cycle collector, not by reference counts: the wrapper's hooks and replaced forwards hold
+    # bound methods of the wrapper, and wrapper and optimizer refer to each other (measured, issue 27).
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=inner, optimizer=torch.optim.SGD(inner.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=4, num_workers=1, persistent_workers=True),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+    )  # fmt: skip
+    train(model, optimizer, loader, 3)
+    workers = list(loader._iterator._workers)
+    assert workers and all(worker.is_alive() for worker in workers)
+    dropped = [weakref.ref(obj) for obj in (inner, model, optimizer, loader, engine)]
+    del inner, model, optimizer, loader, engine
+    gc.collect()
+    assert [ref() for ref in dropped] == [None] * len(dropped)
+    for worker in workers:
+        worker.join(timeout=10)
+    assert not any(worker.is_alive() for worker in workers)

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, WeightedRandomSampler
 
 from accountants import make_accountant
-from privacy_engine import PrivacyEngine
-from privacy_engine.training.batch_tickets import move_to
+from privacy_engine import PrivacyEngine, connect_private
+from privacy_engine.batches.tickets import move_to
 
 NUM_EXAMPLES = 40
 FEATURES = 6
@@ -602,6 +602,7 @@ def test_a_model_held_in_bfloat16_releases_a_clipped_sum_within_the_bound():
     wrapped = GradSampleModule(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=1.0,
                             loss_reduction="sum")  # fmt: skip
+    connect_private(wrapped, optimizer)
     x = torch.randn(1, 64, dtype=torch.bfloat16) * 30
     wrapped(x).square().sum().backward()
     optimizer.step()

@@ -230,8 +230,8 @@ def test_register_grad_sampler_takes_one_list_of_types():
         register_grad_sampler([A, B])(sampler)
         assert registry.grad_sampler_for(A(1, 1)) is sampler and registry.grad_sampler_for(B(1, 1)) is sampler
     finally:
-        registry._GRAD_SAMPLERS.pop(A, None)
-        registry._GRAD_SAMPLERS.pop(B, None)
+        registry.GRAD_SAMPLERS.pop(A, None)
+        registry.GRAD_SAMPLERS.pop(B, None)
     with pytest.raises(TypeError, match="nn.Module subclasses"):
         register_grad_sampler([A, "B"])
 
@@ -250,7 +250,7 @@ def test_check_per_sample_gradients_detects_a_wrong_sampler():
         registry.register_grad_sampler(Scaled)(wrong)
         assert not check_per_sample_gradients_are_correct(torch.randn(6, 3, 4), Scaled(4, 3))
     finally:
-        registry._GRAD_SAMPLERS.pop(Scaled, None)
+        registry.GRAD_SAMPLERS.pop(Scaled, None)
 
 
 # ---------------------------------------------------------------------------------------------- state

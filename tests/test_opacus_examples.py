@@ -181,7 +181,7 @@ def _registries() -> list[dict]:
     from grad_samplers import registry
     from privacy_engine.models.fixer import ModuleValidator
 
-    tables = [registry._GRAD_SAMPLERS, registry._NORM_SAMPLERS, ModuleValidator.VALIDATORS, ModuleValidator.FIXERS]
+    tables = [registry.GRAD_SAMPLERS, registry.NORM_SAMPLERS, ModuleValidator.VALIDATORS, ModuleValidator.FIXERS]
     if OPACUS_INSTALLED:
         from opacus.grad_sample import GradSampleModule as OpacusGradSampleModule
         from opacus.validators import ModuleValidator as OpacusModuleValidator

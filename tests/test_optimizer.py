@@ -13,12 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accountants import make_accountant
+from privacy_engine import connect_private
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.opacus.utils.batch_memory_manager import BatchMemoryManager
 from privacy_engine.training.data_loader import DPDataLoader
 from privacy_engine.training.optimizer import DPOptimizer
-from privacy_engine.training.virtual_steps import BatchMemoryManager, VirtualSteps, split_batch
+from privacy_engine.training.virtual_steps import VirtualSteps, split_batch
 from tests.conftest import per_example_reference
 
 
@@ -70,6 +72,7 @@ def test_update_is_clipped_sum_plus_noise_over_expected_batch_size():
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.3, max_grad_norm=0.5,
         expected_batch_size=10, noise_seed=3,
     )  # fmt: skip
+    connect_private(wrapped, optimizer)
     backward(wrapped, inputs, targets)
     optimizer.step()
     for param, start, total, z in zip(model.parameters(), before, clipped, noise):
@@ -86,6 +89,7 @@ def test_sum_reduction_is_not_divided():
     optimizer = DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum"
     )
+    connect_private(wrapped, optimizer)
     backward(wrapped, inputs, targets, reduction="sum")
     optimizer.step()
     for param, start, total in zip(model.parameters(), before, clipped):
@@ -145,6 +149,7 @@ def test_every_released_step_is_recorded_including_an_empty_batch():
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
         expected_batch_size=4, noise_seed=0, accountant=accountant, sample_rate=0.25,
     )  # fmt: skip
+    connect_private(wrapped, optimizer)
     for size in (4, 0, 3):
         before = [p.detach().clone() for p in model.parameters()]
         optimizer.zero_grad()
@@ -167,6 +172,7 @@ def test_skipped_steps_release_nothing_until_the_closing_step():
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
         expected_batch_size=4, noise_seed=0, accountant=accountant, sample_rate=0.5,
     )  # fmt: skip
+    connect_private(wrapped, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.signal_skip_step(True)
     backward(wrapped, *make_batch(3))
@@ -186,6 +192,7 @@ def test_zero_grad_clears_grads_grad_samples_and_the_accumulator():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=4)  # fmt: skip
+    connect_private(wrapped, optimizer)
     backward(wrapped, *make_batch(3))
     optimizer.clip_and_accumulate()
     backward(wrapped, *make_batch(3))
@@ -205,6 +212,7 @@ def test_zero_grad_clears_grads_grad_samples_and_the_accumulator():
 def test_state_dict_round_trip_resumes_identically(make_inner):
     def train(model, optimizer, steps, seed):
         wrapped = GradSampleModule(model)
+        connect_private(wrapped, optimizer)
         for step in range(steps):
             optimizer.zero_grad()
             backward(wrapped, *make_batch(4, seed=seed + step))
@@ -249,6 +257,7 @@ def test_behaves_as_the_wrapped_optimizer_for_schedulers():
     assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     wrapped = GradSampleModule(model)
+    connect_private(wrapped, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "scheduler.step() before optimizer.step()" would fire here
         for _ in range(2):
@@ -264,6 +273,7 @@ def test_closure_is_evaluated_once_and_its_loss_returned():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
                             max_grad_norm=1.0, expected_batch_size=4)  # fmt: skip
+    connect_private(wrapped, optimizer)
     calls = []
 
     def closure():
@@ -284,6 +294,7 @@ def test_unused_parameter_is_noised_and_frozen_parameter_untouched():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD([*model.parameters(), unused], lr=1.0), noise_multiplier=1.0,
                             max_grad_norm=1.0, expected_batch_size=4, noise_seed=0)  # fmt: skip
+    connect_private(wrapped, optimizer)
     backward(wrapped, *make_batch(3))
     optimizer.step()
     assert torch.count_nonzero(unused) == 3
@@ -298,6 +309,7 @@ def test_padding_mask_source_is_applied():
     wrapped = GradSampleModule(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
                             loss_reduction="sum", padding_mask_source=lambda: padding)  # fmt: skip
+    connect_private(wrapped, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     backward(wrapped, inputs, targets, reduction="sum")
     optimizer.step()
@@ -343,6 +355,7 @@ def test_noise_is_added_on_the_parameters_device():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
                             expected_batch_size=4, noise_seed=0)  # fmt: skip
+    connect_private(wrapped, optimizer)
     inputs, targets = make_batch(4, dtype=torch.float32)
     backward(wrapped, inputs.cuda(), targets.cuda())
     optimizer.step()
@@ -363,6 +376,7 @@ def test_virtual_steps_equal_one_big_batch():
         optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), noise_multiplier=0.8,
                                 max_grad_norm=0.3, expected_batch_size=10, noise_seed=4, accountant=accountant,
                                 sample_rate=loader.sample_rate)  # fmt: skip
+        connect_private(wrapped, optimizer)
         physical_sizes = []
         with VirtualSteps(data_loader=loader, max_physical_batch_size=max_physical_batch_size,
                           optimizer=optimizer) as batches:  # fmt: skip
@@ -394,6 +408,7 @@ def test_virtual_steps_hand_the_sliced_padding_mask_to_the_optimizer():
     wrapped = GradSampleModule(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
                             loss_reduction="sum")  # fmt: skip
+    connect_private(wrapped, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     for x, y in VirtualSteps(data_loader=PaddedLoader([(inputs, targets)]), max_physical_batch_size=3,
                              optimizer=optimizer):  # fmt: skip
@@ -410,6 +425,7 @@ def test_leaving_mid_logical_batch_discards_its_partial_sum():
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
                             expected_batch_size=6)  # fmt: skip
+    connect_private(wrapped, optimizer)
     batches = iter(VirtualSteps(data_loader=[make_batch(6)], max_physical_batch_size=2, optimizer=optimizer))
     x, y = next(batches)  # the first of three micro-batches
     backward(wrapped, x, y)

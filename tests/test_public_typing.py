@@ -20,28 +20,32 @@ from privacy_engine.engine import options
 from privacy_engine.engine import typed_settings as typed
 from privacy_engine.engine.options import ENTRY_POINTS, PrivacyOptions
 from privacy_engine.opacus import PrivacyEngine as OpacusPrivacyEngine
+from privacy_engine.opacus import typed_settings as opacus_typed
 
 ROOT = Path(__file__).resolve().parents[1]
-OPACUS_ONLY = {"criterion"}
+#: The settings the Opacus namespace adds to the engine's (not ``PrivacyOptions`` fields), with their types.
+OPACUS_ONLY = {"criterion": typing.Any}
 SETTINGS = {
     ("engine", "make_private"): (typed.MakePrivateSettings, privacy_engine.PrivacyEngine),
     ("engine", "make_private_with_epsilon"): (typed.MakePrivateWithEpsilonSettings, privacy_engine.PrivacyEngine),
-    ("opacus", "make_private"): (typed.OpacusMakePrivateSettings, OpacusPrivacyEngine),
-    ("opacus", "make_private_with_epsilon"): (typed.OpacusMakePrivateWithEpsilonSettings, OpacusPrivacyEngine),
+    ("opacus", "make_private"): (opacus_typed.OpacusMakePrivateSettings, OpacusPrivacyEngine),
+    ("opacus", "make_private_with_epsilon"): (
+        opacus_typed.OpacusMakePrivateWithEpsilonSettings, OpacusPrivacyEngine,
+    ),
 }
 
 
-def field_types() -> dict[str, object]:
+def field_types(namespace: str = "engine") -> dict[str, object]:
     hints = typing.get_type_hints(PrivacyOptions, vars(options))
-    return {field.name: hints[field.name] for field in dataclasses.fields(PrivacyOptions)}
+    types = {field.name: hints[field.name] for field in dataclasses.fields(PrivacyOptions)}
+    return {**types, **OPACUS_ONLY} if namespace == "opacus" else types
 
 
 def expected_keys(namespace: str, entry_point: str) -> tuple[set[str], set[str]]:
-    """(every setting, the required ones) of ``entry_point`` by ``ENTRY_POINTS`` and the dataclass."""
+    """(every setting, the required ones) of ``entry_point`` by ``ENTRY_POINTS`` and the dataclass
+    (and, in the Opacus namespace, ``OPACUS_ONLY``)."""
     required, refused = ENTRY_POINTS[entry_point]
-    names = {name for name in field_types() if name not in refused}
-    if namespace == "engine":
-        names -= OPACUS_ONLY
+    names = {name for name in field_types(namespace) if name not in refused}
     return names, set(required)
 
 
@@ -57,7 +61,7 @@ def test_typed_settings_have_exactly_the_settings_and_required_ones(namespace, e
 def test_typed_settings_have_the_field_types(namespace, entry_point):
     """Each type is the field's; a required setting may drop the field's ``None`` (it must be given)."""
     settings, _ = SETTINGS[namespace, entry_point]
-    fields = field_types()
+    fields = field_types(namespace)
     for name, hint in get_type_hints(settings).items():
         if name in settings.__required_keys__:
             assert fields[name] in (hint, hint | None), name
@@ -72,7 +76,7 @@ def test_runtime_signature_takes_the_typed_settings(namespace, entry_point):
     shown = {p.name for p in inspect.signature(method).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     names, _ = expected_keys(namespace, entry_point)
     assert names <= shown  # plus the objects' keywords (module, data_loader, wrap_model, ...)
-    assert not (shown - names) & set(field_types())  # no setting the checker would not know
+    assert not (shown - names) & set(field_types(namespace))  # no setting the checker would not know
     # What a checker reads instead: **settings annotated with that TypedDict in the source.
     assert f"**settings: Unpack[{settings.__name__}]" in inspect.getsource(method)
 

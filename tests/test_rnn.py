@@ -20,7 +20,7 @@ from privacy_engine import GradSampleModule, ParameterUsageError, PrivacyEngine
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.clipping.rule import clip_factors
-from privacy_engine.models.recurrent import DPGRU, DPLSTM, DPRNN, torch_rnn_state_dict
+from privacy_engine.opacus.recurrent import DPGRU, DPLSTM, DPRNN, torch_rnn_state_dict
 
 DOUBLE = torch.float64
 BATCH, STEPS, FEATURES, HIDDEN, PROJECTED = 3, 4, 3, 3, 2

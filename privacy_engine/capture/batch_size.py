@@ -2,8 +2,9 @@
 shared by every example (batch 1 in a forward of B, e.g. position embeddings) expanded to B.
 
 ``BatchSizeTracking`` is a mixin of the capturing wrappers (``GradSampleModule`` and, through it,
-``GhostClippingModule``); it reads ``_batch_dim``, ``batch_first`` and ``_in_forward`` and keeps
-``_forward_batch``, ``_input_batch``, ``_forward_single`` and ``_forward_broadcast``.
+``GhostClippingModule``); it reads ``_batch_dim``, ``batch_first``, ``_module`` and ``_flags.in_forward``
+and keeps ``_batch_sizes`` (``capture.state.BatchSizeState``), which ``GradSampleModule.forward`` resets
+and ``_forward_replay`` restores after the independence check's extra forwards.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ class BatchSizeTracking:
 
     def _forward_batch_size(self) -> int | None:
         """The batch size the last forward's layers saw (None if no trainable layer ran)."""
-        if self._forward_batch is not None:
-            return self._forward_batch[1]
-        if getattr(self, "_forward_broadcast", None) is not None:
-            return self._forward_broadcast[1]
-        if getattr(self, "_forward_single", None) is not None:
+        sizes = self._batch_sizes
+        if sizes.forward_batch is not None:
+            return sizes.forward_batch[1]
+        if sizes.forward_broadcast is not None:
+            return sizes.forward_broadcast[1]
+        if sizes.forward_single is not None:
             return 1
         return None
 
@@ -34,9 +36,10 @@ class BatchSizeTracking:
 
     def _note_input_batch(self, module: nn.Module, args, kwargs) -> None:
         """Forward pre-hook on the wrapped module: start a forward's batch bookkeeping."""
-        self._input_batch = input_batch_size(args, kwargs, self._batch_dim)
-        self._forward_single = None
-        self._forward_broadcast = None
+        sizes = self._batch_sizes
+        sizes.input_batch = input_batch_size(args, kwargs, self._batch_dim)
+        sizes.forward_single = None
+        sizes.forward_broadcast = None
 
     def _note_batch_size(self, path: str, batch_size: int) -> int | None:
         """Check a layer's output batch size against the forward's; return the size to expand the
@@ -48,26 +51,27 @@ class BatchSizeTracking:
         looked up with ``position_ids`` of shape (1, T), a learned prefix): it is expanded to B so
         that its output gradient arrives per example. Any other difference is an error.
         """
-        if not self._in_forward:
+        if not self._flags.in_forward:
             return None
         dim = self._batch_dim
-        established = self._forward_batch
+        sizes = self._batch_sizes
+        established = sizes.forward_batch
         if established is None:
-            target = self._input_batch if batch_size == 1 else None
+            target = sizes.input_batch if batch_size == 1 else None
             if target is None or target == 1:
-                self._forward_batch = (path, batch_size)
+                sizes.forward_batch = (path, batch_size)
                 if batch_size == 1:
-                    self._forward_single = path  # batch 1 for now; a later layer may show a larger batch
+                    sizes.forward_single = path  # batch 1 for now; a later layer may show a larger batch
                 return None
-            self._forward_batch = self._forward_broadcast = (path, target)
+            sizes.forward_batch = sizes.forward_broadcast = (path, target)
             return target
         if batch_size == established[1]:
             return None
         if batch_size == 1:
-            if self._forward_broadcast is None:
-                self._forward_broadcast = (path, established[1])
+            if sizes.forward_broadcast is None:
+                sizes.forward_broadcast = (path, established[1])
             return established[1]
-        if established[0] == self._forward_single:
+        if established[0] == sizes.forward_single:
             raise ValueError(
                 f"the batch size differs between layers of one forward: {self._label(established[0])} got 1 "
                 f"example (dim {dim}) but {self._label(path)}, later, got {batch_size}. A layer whose output is "
@@ -76,7 +80,7 @@ class BatchSizeTracking:
                 f"batch size). Pass that layer's input with the batch size (e.g. position_ids of shape "
                 f"(batch, seq_len)) or give every input the same batch size (batch_first={self.batch_first})."
             )
-        if self._forward_broadcast is not None and established[0] == self._forward_broadcast[0]:
+        if sizes.forward_broadcast is not None and established[0] == sizes.forward_broadcast[0]:
             raise ValueError(
                 f"the batch size differs between layers of one forward: {self._label(established[0])} got 1 "
                 f"example and was treated as shared by the {established[1]} examples the inputs suggest, but "
@@ -136,6 +140,9 @@ def input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:
 
 
 def expand_batch(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` expanded (a view, no copy) to ``size`` along ``dim``, where it has size 1: the output of a
+    layer shared by every example, made per example. ``RuntimeError`` (from ``expand``) if ``tensor``'s
+    size along ``dim`` is neither 1 nor ``size``."""
     shape = list(tensor.shape)
     shape[dim] = size
     return tensor.expand(shape)

@@ -1,6 +1,5 @@
-"""What every capturing wrapper shares (the hooks wrapper, fast clipping, the manual wrapper): the loss
-reductions, the error for a parameter used outside its module, the registry of hooked modules, and
-Opacus's state-dict key prefix.
+"""What every capturing wrapper shares (the hooks wrapper, fast clipping, the manual wrapper): the error for a parameter used outside its module, the registry of hooked modules,
+the key prefix of a state dict saved from a wrapper, and the interface ``training/`` uses (``ContractedWrapper``).
 
 Kept apart from the wrappers so that each imports it and none imports another for these.
 """
@@ -9,21 +8,21 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 __all__ = [
     "HOOKED_MODULES",
-    "LOSS_REDUCTIONS",
     "WRAPPER_PREFIX",
+    "ContractedWrapper",
     "ParameterUsageError",
     "WrappedModuleAccess",
     "per_sample_gradients",
     "strip_wrapper_prefix",
 ]
 
-LOSS_REDUCTIONS = ("mean", "sum")
 
 # Every module currently hooked by some capturing wrapper: wrapping one twice would count twice.
 HOOKED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -37,8 +36,9 @@ WRAPPER_PREFIX = "_module."
 
 
 def strip_wrapper_prefix(state_dict, module: nn.Module):
-    """``state_dict`` with Opacus's ``_module.`` key prefix removed, if it was saved from a wrapper
-    (every key has the prefix and none of ``module``'s own keys has it); otherwise unchanged. The
+    """``state_dict`` with the ``_module.`` key prefix removed, if it was saved from a wrapper holding the
+    model as ``_module`` with ``nn.Module.state_dict`` (every key has the prefix and none of ``module``'s
+    own keys has it; Opacus's wrappers save this way); otherwise unchanged. The
     ``_metadata`` (per-module versions) is translated with the keys."""
     keys = list(state_dict.keys())
     if not keys or not all(key.startswith(WRAPPER_PREFIX) for key in keys):
@@ -62,9 +62,58 @@ def per_sample_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad_sample for n, p in model.named_parameters() if getattr(p, "grad_sample", None) is not None}
 
 
+class ContractedWrapper(Protocol):
+    """Everything ``training/`` (``DPOptimizer``, its ``StepContract`` and ``ParameterSync``) calls on a
+    capturing wrapper bound to it; it reads and writes no other attribute of the wrapper.
+
+    ``GradSampleModule`` and ``GhostClippingModule`` implement every method; ``ManualGradSampleModule``
+    keeps no per-pass ticket, and answers the last three with ``WrappedModuleAccess``'s defaults. A fast
+    clipping wrapper adds ``clipper``, ``padding_mask_source`` and ``attach_clipper``.
+    """
+
+    def bind(self, consumer: Any) -> None:
+        """Tie the wrapper's training forwards and backward passes to ``consumer`` (the optimizer)."""
+
+    @property
+    def bound_optimizer(self) -> Any:
+        """The optimizer ``bind`` tied the wrapper to (None while unbound)."""
+
+    def flush_grad_samples(self) -> None:
+        """Hand the completed backward passes' per-sample gradients to the bound optimizer."""
+
+    def forget_forward_batch(self) -> None:
+        """The optimizer released a step: a later backward must come from a new forward."""
+
+    def discard_unflushed_passes(self) -> None:
+        """The optimizer dropped its open step: passes not yet flushed are never handed over."""
+
+    @property
+    def has_unflushed_passes(self) -> bool:
+        """Whether completed backward passes wait to be flushed."""
+
+
 class WrappedModuleAccess:
     """Mixin of every capturing wrapper (an ``nn.Module`` holding the model as ``_module``): the model's
-    state dict and attributes seen through the wrapper, and ``grad_sample`` cleared with the gradients."""
+    state dict and attributes seen through the wrapper, ``grad_sample`` cleared with the gradients, and
+    the step-contract calls of ``ContractedWrapper`` for a wrapper that keeps no per-pass ticket (no-ops:
+    ``GradSampleModule`` overrides them). Reads ``_module`` and ``_consumer`` (set by every wrapper's
+    ``__init__`` and ``bind``)."""
+
+    @property
+    def bound_optimizer(self) -> Any:
+        """The ``DPOptimizer`` this wrapper is bound to (``bind``), or None."""
+        return self._consumer
+
+    def forget_forward_batch(self) -> None:
+        """Nothing to forget: this wrapper does not tie backward passes to their forward."""
+
+    def discard_unflushed_passes(self) -> None:
+        """Nothing waits: the per-sample gradients the loop set are handed over at ``flush_grad_samples``."""
+
+    @property
+    def has_unflushed_passes(self) -> bool:
+        """Always False: this wrapper keeps no pass waiting to be flushed."""
+        return False
 
     def clear_grad_sample(self) -> None:
         """Drop every parameter's per-sample gradients (frees their memory)."""
@@ -73,6 +122,8 @@ class WrappedModuleAccess:
                 param.grad_sample = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or, with ``set_to_none``, drop) the gradients as ``nn.Module.zero_grad`` does, and drop
+        every parameter's ``grad_sample`` too, so no per-sample gradient of an earlier pass is left over."""
         super().zero_grad(set_to_none=set_to_none)
         self.clear_grad_sample()
 
@@ -81,8 +132,8 @@ class WrappedModuleAccess:
         return self._module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load into the wrapped module: its own keys, or Opacus's (every key prefixed ``_module.``,
-        as a checkpoint of an Opacus-wrapped model has them)."""
+        """Load into the wrapped module: its own keys, or a wrapper's (every key prefixed ``_module.``, as
+        ``nn.Module.state_dict`` of a wrapper holding the model as ``_module`` gives; Opacus saves so)."""
         return self._module.load_state_dict(strip_wrapper_prefix(state_dict, self._module), strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
@@ -95,4 +146,5 @@ class WrappedModuleAccess:
 
     @property
     def wrapped_module(self) -> nn.Module:
+        """The model this wrapper holds (``_module``)."""
         return self._module

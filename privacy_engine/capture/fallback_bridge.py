@@ -4,7 +4,10 @@ per example (``grad_samplers.functorch_fallback``); its per-sample gradients arr
 are added like the hooks' ones. The replacement claims the module's whole subtree.
 
 ``FallbackBridge`` is a mixin of ``GradSampleModule``; ``GhostClippingModule`` overrides
-``_fallback_call`` (stand-in parameters, so that ``.grad`` is never written).
+``_fallback_call`` (stand-in parameters, so that ``.grad`` is never written). It writes
+``_flags.inside_fallback`` (around the ``vmap`` forward) and the patched modules in ``_tables``
+(``patched``, ``instance_forwards``); it reads ``_batch_dim``, ``loss_reduction``, ``_generation`` and
+``_batch_sizes``, and hands per-sample gradients to ``_accumulate`` (``hooks.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from grad_samplers.functorch_fallback import per_sample_forward, per_sample_forward_for
+from privacy_engine.capture.patched_forward import PatchedForward
 from privacy_engine.models.validation import UnsupportedModuleError, module_label
 
 __all__ = ["FallbackBridge"]
@@ -24,26 +28,28 @@ class FallbackBridge:
     """Mixin: per-sample gradients of modules without a grad sampler, through ``torch.func``."""
 
     def _patch_forward(self, path: str, module: nn.Module) -> None:
-        original = module.forward
         if "forward" in module.__dict__:
-            self._instance_forwards[module] = module.__dict__["forward"]
-        named_params = list(module.named_parameters())
+            self._tables.instance_forwards[module] = module.__dict__["forward"]
+        # A PatchedForward, not a closure: the wrapped model stays picklable (torch.save).
+        module.forward = PatchedForward(self._fallback_forward, path, module, module.forward)
+        self._tables.patched.append(module)
 
-        def forward(*args, **kwargs):
-            if self._inside_fallback or not (self.training and torch.is_grad_enabled()):
-                return original(*args, **kwargs)
-            params = {name: p for name, p in named_params if p.requires_grad}
-            if not params:
-                return original(*args, **kwargs)
-            try:
-                return self._fallback_call(path, module, original, args, kwargs, params)
-            except RuntimeError as error:
-                if _is_function_without_vmap(error):
-                    raise UnsupportedModuleError(_function_without_vmap_message(path, module, error)) from error
-                raise
-
-        module.forward = forward
-        self._patched.append(module)
+    def _fallback_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
+        """The forward of a fallback module (``patched.module``): under ``vmap`` in training mode."""
+        path, module, original = patched.path, patched.module, patched.original
+        if self._flags.inside_fallback or not (self.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        if patched.derived is None:
+            patched.derived = list(module.named_parameters())
+        params = {name: p for name, p in patched.derived if p.requires_grad}
+        if not params:
+            return original(*args, **kwargs)
+        try:
+            return self._fallback_call(path, module, original, args, kwargs, params)
+        except RuntimeError as error:
+            if _is_function_without_vmap(error):
+                raise UnsupportedModuleError(_function_without_vmap_message(path, module, error)) from error
+            raise
 
     def _fallback_call(self, path: str, module: nn.Module, original, args, kwargs, params: dict[str, nn.Parameter]):
         """One training-mode call of a fallback module: its real forward under ``vmap``, with
@@ -54,7 +60,7 @@ class FallbackBridge:
     def _run_fallback(self, path: str, module: nn.Module, original, args, kwargs, params: dict, on_per_sample_grad):
         """``module``'s real forward under ``vmap`` with ``params`` (one view per example), handing each
         parameter's per-sample gradients to ``on_per_sample_grad(param, grads)`` during backward."""
-        self._inside_fallback = True
+        self._flags.inside_fallback = True
         try:
             output = per_sample_forward(
                 module,
@@ -67,7 +73,7 @@ class FallbackBridge:
                 on_per_sample_grad=on_per_sample_grad,
             )
         finally:
-            self._inside_fallback = False
+            self._flags.inside_fallback = False
         self._note_output_batch_size(path, module, output)
         return output
 
@@ -93,8 +99,8 @@ class FallbackBridge:
             # after the fact (only layers with a grad sampler are expanded to the batch).
             raise ValueError(
                 f"{module_label(path)} ({type(module).__name__}, per-sample gradients through torch.func) got 1 "
-                f"example in a forward of {self._forward_batch[1]}: its output is shared by every example. Give "
-                f"its input the batch size (expand it to the batch before calling the module)."
+                f"example in a forward of {self._batch_sizes.forward_batch[1]}: its output is shared by every "
+                f"example. Give its input the batch size (expand it to the batch before calling the module)."
             )
 
     def _fallback_backward_of(self, generation: int, param: nn.Parameter, grads: torch.Tensor) -> None:

@@ -3,7 +3,12 @@ its (detached) inputs and puts a gradient hook on its output; when the output gr
 sampler turns inputs and output gradient into per-sample gradients, which are added to
 ``param.grad_sample`` and the inputs dropped.
 
-``LayerHooks`` is a mixin of ``GradSampleModule``.
+``LayerHooks`` is a mixin of ``GradSampleModule``. It reads ``_batch_dim``, ``loss_reduction``,
+``_tables.param_names`` (error messages) and ``_usage.phase``; it feeds the usage check while armed
+(``_record_term_scales``, ``_record_for_usage_check``), the batch-size bookkeeping (``_note_batch_size``)
+and the step binding (reads ``_generation`` and ``_consumer``, calls ``_check_live``; when bound, sets
+``_backward_running`` and queues ``_backward_done`` at the first per-sample gradient of a backward); it
+writes ``param.grad_sample``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class LayerHooks:
                     f"for each backward."
                 )
             held[0] = None  # free the inputs as soon as their backward has run
-            if self._check_state == "armed":
+            if self._usage.phase == "armed":
                 self._record_term_scales(layer, activations, backprops)
             self._layer_backward(path, layer, sampler, activations, backprops)
 
@@ -101,12 +106,12 @@ class LayerHooks:
                 raise RuntimeError(
                     f"grad sampler {getattr(sampler, '__qualname__', sampler)!r} for {module_label(path, layer)} "
                     f"returned shape {tuple(grads.shape)} for parameter "
-                    f"{self._param_names.get(param, '?')!r}; expected {expected} (batch, *param.shape)"
+                    f"{self._tables.param_names.get(param, '?')!r}; expected {expected} (batch, *param.shape)"
                 )
             self._accumulate(param, grads, batch_size)
 
     def _accumulate(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
-        if self._check_state == "armed":
+        if self._usage.phase == "armed":
             self._record_for_usage_check(param, grads, batch_size)
         if self._consumer is not None and not self._backward_running:
             self._backward_running = True
@@ -115,7 +120,7 @@ class LayerHooks:
         if existing is not None and existing.shape[0] != grads.shape[0]:
             # Row i of each must be the same example for a per-example sum; never broadcast.
             raise RuntimeError(
-                f"parameter {self._param_names.get(param, '?')!r} holds per-sample gradients of {existing.shape[0]} "
+                f"parameter {self._tables.param_names.get(param, '?')!r} holds per-sample gradients of {existing.shape[0]} "
                 f"examples from an earlier backward pass, and this pass has {grads.shape[0]}: they are different "
                 f"examples and cannot be added row by row. Call optimizer.step() (or clip_and_accumulate()) "
                 f"between batches, or use VirtualSteps for gradient accumulation."

@@ -21,6 +21,11 @@ wrapper (training mode, gradients on):
   cross-entropy rules of ``loss_coupling`` run in the full forward too (a loss computed inside it), and a
   buffer the forward changed by value (in place or reassigned) is refused;
 - after that forward, until ``backward``: ``loss_coupling.LossCouplingMonitor`` on the outputs.
+
+What it uses of the wrapper (``after_training_forward``'s ``wrapper``): ``_forward_batch_size()``, the hooked
+module paths (``_tables.owner_paths``), whether Hugging Face loss hooks are installed (``_hf_losses``), the
+bound optimizer (``bound_optimizer``), and ``_forward_replay()`` around the check's extra forwards (which puts
+back the wrapper's batch-size state and flags); it writes nothing on the wrapper.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ from privacy_engine.models.validation import (
 __all__ = ["DeterministicRandom", "IndependenceGuard"]
 
 SUB_BATCH_ROWS = 2  # rows of the sub-batch (fewer when the batch is smaller): its activations are recorded
-_WRAPPER_STATE = ("_forward_batch", "_input_batch", "_forward_single", "_forward_broadcast", "_in_forward")
 
 
 class IndependenceGuard:
@@ -60,15 +64,16 @@ class IndependenceGuard:
     a buffer written in place during the forward        refused at every training forward, naming
     (running stats, ``num_batches_tracked``, counters)  ``module.buffer`` (restored at the first step)
     a module whose output rows depend on other rows     refused at the first training forward of each
-    (``F.batch_norm(training=True)``, ``x - x.mean(0)``,  train/eval structure, naming the innermost such
-    LayerNorm over the batch dim, a batch-size MoE)     module (on batches of >= 2 examples)
+    (``F.batch_norm(training=True)``,                   train/eval structure, naming the innermost such
+    ``x - x.mean(0)``, LayerNorm over the batch dim,    module (on batches of >= 2 examples)
+    a batch-size MoE)
     a layer's input without the examples at batch_dim   refused (first step), naming the layer
     buffer changed by value (reassigned) in a forward   refused (first step)
     cross_entropy/nll_loss coupling inside the forward  refused (first step; see ``loss_coupling``)
     the user's loss couples examples                    refused while it is computed (first step)
     the model turned train -> eval -> train, or a       wrap-time checks re-run (InstanceNorm
     submodule's mode changed                            ``track_running_stats`` in training), re-checked
-    sub-batch forward fails, or a mismatch with          warning: independence cannot be verified (the
+    sub-batch forward fails, or a mismatch with         warning: independence cannot be verified (the
     arguments the check cannot split per example        slicing, not the model, may cause the mismatch)
     wrapper not bound to a private optimizer            nothing checked (nothing is released)
     batch of 1 example / nothing trainable ran          row check deferred to the next forward
@@ -107,6 +112,10 @@ class IndependenceGuard:
             self._monitor_handles.pop().remove()
 
     def before_training_forward(self) -> None:
+        """Called before a bound training forward runs the model: if the modules' train/eval structure
+        changed since the last one, re-run the wrap-time checks (``UnsupportedModuleError`` for a problem;
+        ``strict=False``: a warning) and re-arm the row check; snapshot the buffers while the row check is
+        pending, and note every buffer's ``_version`` for ``after_training_forward``."""
         structure = tuple(m.training for _, m in self.modules)
         if structure != self.structure:
             self.structure, self.verified = structure, False
@@ -118,6 +127,12 @@ class IndependenceGuard:
         self._versions = [(b, b._version if b is not None else 0) for b in map(self._buffer, self.buffer_slots)]
 
     def after_training_forward(self, wrapper, args, kwargs, output) -> None:
+        """Called after a bound training forward, before its output is returned (so before any backward,
+        clipping, noise or accounting): refuse a buffer written in place during the forward (restored while
+        the row check is pending, then ``InteractingExamplesError``; ``strict=False``: a warning); at the
+        first training forward of a structure with 2 or more examples, run the row check and, when a private
+        optimizer is bound, start the loss-coupling monitor on ``output``. A batch of 1 example, or a forward
+        in which nothing trainable ran, defers the row check to a later forward. See the class table."""
         try:
             for slot, (before, version) in zip(self.buffer_slots, self._versions):
                 after = self._buffer(slot)
@@ -136,8 +151,9 @@ class IndependenceGuard:
                 self._restore_buffers()
                 self._report(problem)
             self.verified = True
-            if wrapper._consumer is not None:  # a private optimizer will release this step: watch its loss
-                self._start_loss_monitor(wrapper._consumer, batch_size, output)
+            optimizer = wrapper.bound_optimizer
+            if optimizer is not None:  # a private optimizer will release this step: watch its loss
+                self._start_loss_monitor(optimizer, batch_size, output)
         finally:
             self._snapshot = None
             self._versions = []
@@ -181,12 +197,16 @@ class IndependenceGuard:
             return leaf
 
         sub_args, sub_kwargs = tree_map(take_rows, (args, kwargs), is_leaf=lambda v: isinstance(v, PackedSequence))
-        saved = {name: getattr(wrapper, name) for name in _WRAPPER_STATE}
-        probe = RowProbe(self.modules, dim, batch_size, rows, hooked=set(wrapper._owner_paths.values()))
+        probe = RowProbe(self.modules, dim, batch_size, rows, hooked=set(wrapper._tables.owner_paths.values()))
         devices = sorted({b.device.index for b in self.module.buffers() if b.is_cuda} | {p.device.index for p in self.module.parameters() if p.is_cuda})
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), DeterministicRandom(), without_forward_hooks(self.modules):
-                wrapper._in_forward = True
+            with (
+                wrapper._forward_replay(),
+                torch.no_grad(),
+                torch.random.fork_rng(devices=devices),
+                DeterministicRandom(),
+                without_forward_hooks(self.modules),
+            ):
                 try:
                     with probe.recording():
                         self.module(*sub_args, **sub_kwargs)
@@ -219,8 +239,6 @@ class IndependenceGuard:
                 return probe.problem, None
         finally:
             self._restore_buffers()
-            for name, value in saved.items():
-                setattr(wrapper, name, value)
 
     # ------------------------------------------------------------------ buffers
     @staticmethod

@@ -4,7 +4,8 @@ stores them in ``param.grad_sample``; Opacus calls it ``GradSampleModuleNoOp``.
 
 Nothing is hooked: the forward is the module's own, and ``DPOptimizer`` clips, noises and records
 whatever ``grad_sample`` the loop left, exactly as it does for hook-computed ones. The step contract
-(``privacy_engine.training.step_contract``) still applies: each training forward tells the bound optimizer
+(``privacy_engine.training.step_contract``) still applies once ``privacy_engine.connect_private`` connects the
+wrapper to a ``DPOptimizer``: each training forward tells the bound optimizer
 which batch it runs on, and the per-sample gradients set afterwards are released as that batch's.
 """
 
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from privacy_engine.capture.common import LOSS_REDUCTIONS, WrappedModuleAccess
+from privacy_engine.capture.common import WrappedModuleAccess
 from privacy_engine.capture.module import GradSampleModule
-from privacy_engine.training.step_contract import register_wrapper
+from privacy_engine.capture.step_binding import mark_wrapped_parameters, unmark_wrapped_parameters
+from privacy_engine.settings_checks import check_loss_reduction
 
 __all__ = ["ManualGradSampleModule"]
 
@@ -45,12 +47,12 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
     rows scaled by 1/B (mean loss)     wrong: rows must be per-example gradients
     zero_grad()                        clears .grad and grad_sample
     state_dict()                       the module's own keys (no ``_module.``)
-    load_state_dict(Opacus keys)       ``_module.`` prefix removed, then loaded
+    load_state_dict(wrapper keys)      ``_module.`` prefix removed, then loaded
     =================================  ============================================
 
     Args:
         module: the model (not copied).
-        batch_first, loss_reduction: recorded for Opacus compatibility; the loop's gradients are
+        batch_first, loss_reduction: recorded as the hooks wrapper records them; the loop's gradients are
             used as given (``loss_reduction`` does not rescale them).
     """
 
@@ -59,17 +61,21 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
             raise TypeError(f"ManualGradSampleModule wraps an nn.Module; got {type(module).__name__}")
         if isinstance(module, (GradSampleModule, ManualGradSampleModule)):
             raise TypeError("module is already wrapped; pass the original module")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
+        check_loss_reduction(loss_reduction)
         super().__init__()
         self._module = module
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction
         self._consumer: Any = None  # the DPOptimizer that releases this model's steps (step contract)
         self._ticket = None  # the batch of the last training forward
-        register_wrapper(self)
+        mark_wrapped_parameters(module, type(self).__name__)  # binds nothing: privacy_engine.connect_private does
 
     def forward(self, *args, **kwargs):
+        """Run the wrapped module's own forward (nothing captured). When bound to an optimizer, in training
+        mode with gradients on, also record the batch this forward runs on (``StepContract.resolve``; the
+        batch size is that of the first tensor input with a batch dimension), which ``flush_grad_samples``
+        hands over with the loop's ``grad_sample``. ``RuntimeError`` from ``resolve`` when the inputs are
+        ambiguous (tensors of two batches, a copy equal to several draws; see ``StepContract.resolve``)."""
         output = self._module(*args, **kwargs)
         if self._consumer is not None and self.training and torch.is_grad_enabled():
             batch_dim = 0 if self.batch_first else 1
@@ -80,7 +86,13 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
 
     # ------------------------------------------------------------------ the step contract
     def bind(self, consumer: Any) -> None:
-        """Tie this model's training forwards to ``consumer`` (a ``DPOptimizer``, which binds itself)."""
+        """Tie this model's training forwards to ``consumer`` (a ``DPOptimizer``): the wrapper's half of
+        ``privacy_engine.connect_private``, which checks the pair and connects both halves (call that).
+        ``ValueError`` if already bound to another optimizer."""
+        if self._consumer is not None and self._consumer is not consumer:
+            raise ValueError(
+                "this wrapper is already connected to another DPOptimizer (privacy_engine.connect_private)"
+            )
         self._consumer = consumer
 
     def flush_grad_samples(self) -> None:
@@ -97,6 +109,8 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
 
     def to_standard_module(self) -> nn.Module:
         """The original module, with the ``grad_sample`` attributes removed."""
+        self._consumer = None
+        unmark_wrapped_parameters(self._module)
         for param in self._module.parameters():
             if hasattr(param, "grad_sample"):
                 del param.grad_sample

@@ -16,14 +16,19 @@ parameter (tied embeddings), and over several backward passes until ``clear_grad
 
 The other pieces of the wrapper, one file each: the batch size of a forward (``capture.batch_size``),
 the step contract (``capture.step_binding``), the first-backward check (``capture.usage_check``), the
-independence of the examples (``capture.independence``, ``capture.loss_coupling``).
+independence of the examples (``capture.independence``, ``capture.loss_coupling``). Their state is
+declared in ``capture.state``, one object per part, with which part writes and reads it.
 Fast clipping (``privacy_engine.clipping.ghost``) subclasses this wrapper; this module never imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import warnings
+from collections.abc import Iterator
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,15 +37,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from grad_samplers import grad_sampler_for, register_optional_samplers
 from grad_samplers.registry import GradSampler
 from privacy_engine.capture.batch_size import BatchSizeTracking
-from privacy_engine.capture.common import HOOKED_MODULES, LOSS_REDUCTIONS, ParameterUsageError, WrappedModuleAccess
+from privacy_engine.capture.common import HOOKED_MODULES, ParameterUsageError, WrappedModuleAccess
 from privacy_engine.capture.fallback_bridge import FallbackBridge
 from privacy_engine.capture.hooks import LayerHooks
 from privacy_engine.capture.independence import IndependenceGuard
-from privacy_engine.capture.step_binding import StepContractBinding
+from privacy_engine.capture.state import BatchSizeState, CaptureTables, ForwardFlags, UsageCheckState
+from privacy_engine.capture.step_binding import StepContractBinding, mark_wrapped_parameters, unmark_wrapped_parameters
 from privacy_engine.capture.usage_check import UsageCheck
 from privacy_engine.integrations.hf_losses import install_per_example_losses
 from privacy_engine.models.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
-from privacy_engine.training.step_contract import forget_wrapper, register_wrapper
+from privacy_engine.settings_checks import check_loss_reduction
 
 __all__ = ["GradSampleModule", "ParameterUsageError"]
 
@@ -96,7 +102,19 @@ class GradSampleModule(
             (``"ghost"`` raises ``ValueError`` saying so).
         strict: raise on the wrap-time problems above (True) or only warn (False: the per-sample
             gradients of the offending modules are then not trustworthy).
+
+    State: one object per part (``capture.state``): ``_tables`` (what wrapping set up), ``_flags`` (where
+    the wrapper is), ``_usage`` (the first-backward check), ``_batch_sizes`` (the running forward's batch),
+    ``_independence`` (``IndependenceGuard``), and the step binding's fields (``StepContractBinding``).
+    ``training/`` reaches it only through the public step-contract methods (``bind``,
+    ``flush_grad_samples``, ``forget_forward_batch``, ``discard_unflushed_passes``,
+    ``has_unflushed_passes``; ``capture.common.ContractedWrapper``).
     """
+
+    #: Whether the first backward verifies every parameter's gradient against its per-sample gradients
+    #: (``capture.usage_check``). A subclass whose backward never writes ``.grad`` turns it off and refuses
+    #: stray gradients its own way (``GhostClippingModule``: a hook per parameter).
+    checks_parameter_usage: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -115,17 +133,19 @@ class GradSampleModule(
         self.loss_reduction = loss_reduction
         self.strict = strict
         self._batch_dim = 0 if batch_first else 1
-        self._param_names: dict[nn.Parameter, str] = {}
+        # The state of each part, declared in capture.state (which part writes and reads what).
+        param_names: dict[nn.Parameter, str] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
-            self._param_names.setdefault(param, name)
-        self._batchnorms = [(p, m) for p, m in module.named_modules() if isinstance(m, _BatchNorm)]
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._patched: list[nn.Module] = []
-        # forward overrides set on an instance before wrapping: put back on unwrapping, not deleted
-        self._instance_forwards: dict[nn.Module, object] = {}
-        self._released = False
-        # The step contract (privacy_engine.training.step_contract), set when a DPOptimizer binds this wrapper:
-        # which batch each forward ran on, and per-pass clipping of the per-sample gradients.
+            param_names.setdefault(param, name)
+        self._tables = CaptureTables(
+            param_names=param_names,
+            batchnorms=[(p, m) for p, m in module.named_modules() if isinstance(m, _BatchNorm)],
+        )
+        self._flags = ForwardFlags()
+        self._usage = UsageCheckState(phase="pending" if self.checks_parameter_usage else "off")
+        self._batch_sizes = BatchSizeState()
+        # The step contract's state, declared by StepContractBinding (capture.step_binding), set when a
+        # DPOptimizer binds this wrapper: which batch each forward ran on, and per-pass clipping.
         self._consumer = None  # the DPOptimizer whose clipper takes this wrapper's backward passes
         self._generation = 0  # training forwards so far; a backward checks its forward is still live
         self._generation_tickets: dict[int, object] = {}
@@ -133,27 +153,17 @@ class GradSampleModule(
         self._grad_sample_ticket = None  # the batch whose completed backward passes fill grad_sample
         self._backward_running = False
         self._awaiting_backward = False  # a forward on a drawn batch ran and its backward has not
-        self._owner_paths: dict[nn.Parameter, str] = {}
-        self._in_forward = False
-        self._inside_fallback = False
-        self._forward_batch: tuple[str, int] | None = None
-        # Broadcast layers (batch 1 in a forward of batch B): see _note_batch_size. Reset per forward
-        # by the pre-hook on the wrapped module.
-        self._input_batch: int | None = None  # the batch size the wrapper's inputs suggest, if unambiguous
-        self._forward_single: str | None = None  # first layer left at batch 1 while no batch was known
-        self._forward_broadcast: tuple[str, int] | None = None  # first layer expanded to the batch
-        self._reset_usage_check_state()
         self._independence = IndependenceGuard(module, batch_dim=self._batch_dim, strict=strict)
         try:
             for path, layer, sampler in self._plan(module):
                 self._attach(path, layer, sampler)
-            self._handles.append(module.register_forward_pre_hook(self._note_input_batch, with_kwargs=True))
+            self._tables.handles.append(module.register_forward_pre_hook(self._note_input_batch, with_kwargs=True))
         except BaseException:
             self._detach()
             raise
         # Hugging Face models called with labels= through this wrapper return per-example losses (issue 18).
         self._hf_losses = install_per_example_losses(module, loss_reduction=loss_reduction, is_active=self._forwarding)
-        register_wrapper(self)
+        mark_wrapped_parameters(module, type(self).__name__)  # binds nothing: privacy_engine.connect_private does
 
     # ------------------------------------------------------------------ wrapping
     @staticmethod
@@ -176,25 +186,34 @@ class GradSampleModule(
         return plan
 
     def _attach(self, path: str, layer: nn.Module, sampler: GradSampler | None) -> None:
+        """Instrument one module that owns parameters (``sampler``: its grad sampler, None for the fallback).
+
+        The extension point of construction: ``__init__`` calls it once per module of ``_plan``, after
+        every state object of this class exists and before a subclass's ``__init__`` goes on. An override
+        (``GhostClippingModule``) records the owner in ``_tables.owner_paths``, installs hooks or forwards,
+        lists them in ``_tables`` (``handles`` / ``patched``) and adds the module to ``HOOKED_MODULES``; what
+        it installs may read the subclass's own state only when it runs (at forward time).
+        """
         owned = layer.parameters(recurse=sampler is None)
         for param in owned:
-            self._owner_paths.setdefault(param, path)
+            self._tables.owner_paths.setdefault(param, path)
         if sampler is not None:
             handle = layer.register_forward_hook(partial(self._capture, path, sampler), with_kwargs=True)
-            self._handles.append(handle)
+            self._tables.handles.append(handle)
         else:
             self._patch_forward(path, layer)
         HOOKED_MODULES.add(layer)
 
     def _detach(self) -> None:
-        for handle in self._handles + self._check_handles:
+        tables = self._tables
+        for handle in tables.handles + self._usage.handles:
             handle.remove()
-        self._handles, self._check_handles = [], []
-        for module in self._patched:
+        tables.handles, self._usage.handles = [], []
+        for module in tables.patched:
             del module.forward
-            if module in self._instance_forwards:
-                module.forward = self._instance_forwards.pop(module)
-        self._patched = []
+            if module in tables.instance_forwards:
+                module.forward = tables.instance_forwards.pop(module)
+        tables.patched = []
         for module in self._module.modules():
             HOOKED_MODULES.discard(module)
 
@@ -203,8 +222,8 @@ class GradSampleModule(
 
         The wrapper is unusable afterwards: calling it raises instead of silently computing nothing.
         """
-        self._released = True
-        forget_wrapper(self)
+        self._flags.released = True
+        unmark_wrapped_parameters(self._module)
         self._consumer = None
         self._independence.end_loss_monitor()
         self._detach()
@@ -217,13 +236,21 @@ class GradSampleModule(
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        if self._released:
+        """Run the wrapped module with its per-sample gradient hooks, and return its output.
+
+        Raises before the model runs: ``RuntimeError`` after ``to_standard_module()``;
+        ``UnsupportedModuleError`` for a BatchNorm in training mode with gradients on (``strict``). When bound
+        to a private optimizer in training mode with gradients on, the independence checks run around the
+        forward (``IndependenceGuard``: ``InteractingExamplesError`` before the output is returned) and the
+        forward's batch is identified for the step contract. Unbound, or in eval mode / under ``no_grad``,
+        nothing is tied to a step."""
+        if self._flags.released:
             raise RuntimeError(
                 "this GradSampleModule was unwrapped by to_standard_module(); call the returned module, "
                 "or wrap it again for per-sample gradients"
             )
         self._independence.end_loss_monitor()
-        for path, batchnorm in self._batchnorms:
+        for path, batchnorm in self._tables.batchnorms:
             if batchnorm.training and torch.is_grad_enabled() and self.strict:
                 raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
         # Examples must not interact (capture.independence): buffers written, batch statistics, coupled losses.
@@ -232,32 +259,68 @@ class GradSampleModule(
         bound = self._consumer is not None and self.training and torch.is_grad_enabled()
         if bound:
             self._independence.before_training_forward()
-        if self._check_state != "done":
+        if self._usage.phase in ("pending", "armed"):
             if self.training and torch.is_grad_enabled():
                 self._arm_usage_check()
-            elif self._check_state == "armed":
+            elif self._usage.phase == "armed":
                 # A training forward that never reached backward must not judge this one, which computes
                 # no per-sample gradients by design.
                 self._finish_usage_check()
-                self._check_state = "pending"
-        self._forward_batch = None
+                self._usage.phase = "pending"
+        self._batch_sizes.forward_batch = None
         if bound:
             self._before_bound_forward()
-        self._in_forward = True
+        self._flags.in_forward = True
         try:
             output = self._module(*args, **kwargs)
         finally:
-            self._in_forward = False
+            self._flags.in_forward = False
         if bound:
             self._independence.after_training_forward(self, args, kwargs, output)
             self._after_bound_forward(args, kwargs)
         return output
 
+    # ------------------------------------------------------------------ the step contract: training/'s calls
+    def forget_forward_batch(self) -> None:
+        """The bound optimizer released a step: the last forward's batch is spent, so a later backward
+        must come from a new forward (``_check_live`` refuses one that reaches the old forward)."""
+        self._forward_ticket = None
+
+    def discard_unflushed_passes(self) -> None:
+        """The bound optimizer dropped its open step (``zero_grad`` outside a logical step,
+        ``discard_logical_step``): the completed backward passes waiting in ``grad_sample`` are never
+        handed to its clipper."""
+        self._grad_sample_ticket = None
+
+    @property
+    def has_unflushed_passes(self) -> bool:
+        """Whether completed backward passes wait in ``grad_sample`` for ``flush_grad_samples``."""
+        return self._grad_sample_ticket is not None
+
+    # ------------------------------------------------------------------ names read by other files
+    # Views of the state objects, read-only: the step binding (step_binding.py) and tests read these names.
+    @property
+    def _check_state(self) -> str:
+        return self._usage.phase
+
     # ------------------------------------------------------------------ utilities
     def _forwarding(self) -> bool:
-        return self._in_forward
+        return self._flags.in_forward
+
+    @contextlib.contextmanager
+    def _forward_replay(self) -> Iterator[None]:
+        """Run extra forwards of the wrapped module as if inside this wrapper's forward (the independence
+        row check's), then put back the running forward's batch sizes and flags as they were."""
+        saved_sizes, saved_in_forward = dataclasses.replace(self._batch_sizes), self._flags.in_forward
+        self._flags.in_forward = True
+        try:
+            yield
+        finally:
+            self._batch_sizes, self._flags.in_forward = saved_sizes, saved_in_forward
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of the wrapped module's parameters with ``requires_grad``, in ``named_parameters``
+        order (names without the ``_module.`` prefix)."""
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
 
 
@@ -284,8 +347,7 @@ def _check_wrappable(module: nn.Module, loss_reduction: str, strict: bool) -> No
         raise TypeError(f"GradSampleModule wraps an nn.Module; got {type(module).__name__}")
     if isinstance(module, GradSampleModule):
         raise ValueError("module is already a GradSampleModule; wrap the original module once")  # noqa: TRY004
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
+    check_loss_reduction(loss_reduction)
     for path, submodule in module.named_modules():
         if submodule in HOOKED_MODULES:
             raise ValueError(

@@ -50,11 +50,15 @@ class RowProbe:
 
     @contextlib.contextmanager
     def recording(self):
+        """Context: hooks that record a fingerprint of every module's input and output rows (the sub-batch
+        forward); removed on exit."""
         with self._hooks(self._record):
             yield
 
     @contextlib.contextmanager
     def comparing(self):
+        """Context: hooks that compare every module's rows with those recorded, in call order (the full-batch
+        forward); the first disagreement sets ``problem`` and raises ``RowMismatch``. Removed on exit."""
         self.position = 0
         with self._hooks(self._compare):
             yield

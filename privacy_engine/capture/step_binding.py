@@ -2,6 +2,12 @@
 forward ran on, whether a backward still belongs to the live forward, and handing the completed passes
 to the bound ``DPOptimizer``.
 
+A wrapper is bound to one optimizer by ``privacy_engine.connect_private`` only (``make_private`` calls it);
+nothing binds by itself. Every parameter of a wrapped model carries the wrapper's class name
+(``mark_wrapped_parameters``, removed on unwrapping), so that a ``DPOptimizer`` tells per-sample
+gradients a wrapper made from ones a loop set by hand, and refuses those of a wrapper it was never
+connected to (``wrapper_holding``).
+
 ``StepContractBinding`` is a mixin of the capturing wrappers; it keeps ``_consumer``, ``_generation``,
 ``_generation_tickets``, ``_forward_ticket``, ``_grad_sample_ticket``, ``_backward_running`` and
 ``_awaiting_backward`` (initialised by the wrapper).
@@ -10,11 +16,34 @@ to the bound ``DPOptimizer``.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from privacy_engine.batches.tickets import BatchTicket
 from privacy_engine.models.validation import submodule_label
-from privacy_engine.training.batch_tickets import BatchTicket
 
-__all__ = ["StepContractBinding"]
+__all__ = ["StepContractBinding", "mark_wrapped_parameters", "unmark_wrapped_parameters", "wrapper_holding"]
+
+#: The attribute set on every parameter of a wrapped model: the wrapper's class name (a string, so a
+#: model saved with ``torch.save`` stays loadable).
+WRAPPED_PARAMETER_ATTRIBUTE = "_privacy_engine_wrapper"
+
+
+def mark_wrapped_parameters(module: nn.Module, wrapper_name: str) -> None:
+    """Mark every parameter of ``module`` (frozen ones too: they may be unfrozen) as held by a wrapper."""
+    for param in module.parameters():
+        setattr(param, WRAPPED_PARAMETER_ATTRIBUTE, wrapper_name)
+
+
+def unmark_wrapped_parameters(module: nn.Module) -> None:
+    """Remove the mark of ``mark_wrapped_parameters`` (the wrapper let the model go)."""
+    for param in module.parameters():
+        if hasattr(param, WRAPPED_PARAMETER_ATTRIBUTE):
+            delattr(param, WRAPPED_PARAMETER_ATTRIBUTE)
+
+
+def wrapper_holding(param: nn.Parameter) -> str | None:
+    """The class name of the wrapper holding ``param``'s model, or None if no wrapper holds it."""
+    return getattr(param, WRAPPED_PARAMETER_ATTRIBUTE, None)
 
 
 class StepContractBinding:
@@ -23,14 +52,19 @@ class StepContractBinding:
     def bind(self, consumer) -> None:
         """Send each backward pass's per-sample gradients to ``consumer`` (a ``DPOptimizer``): a pass is
         clipped on its own unless the previous pass ran on the same batch (then they are summed per
-        example first). ``DPOptimizer`` binds the wrappers of its parameters itself."""
+        example first). The wrapper's half of ``privacy_engine.connect_private``, which checks the pair and
+        connects both halves: call that. ``ValueError`` if already bound to another optimizer."""
+        if self._consumer is not None and self._consumer is not consumer:
+            raise ValueError(
+                "this wrapper is already connected to another DPOptimizer (privacy_engine.connect_private)"
+            )
         self._consumer = consumer
 
     def __getstate__(self) -> dict:
         """Pickle (``torch.save(model)``) the wrapper without its binding: the bound ``DPOptimizer`` holds
         the loader, its step contract and closures that cannot be pickled, and a saved model must not
         carry the open step of a training run. A loaded wrapper is unbound (a per-sample gradient tool)
-        until a ``DPOptimizer`` binds it again."""
+        until ``privacy_engine.connect_private`` connects it to a ``DPOptimizer`` again."""
         state = self.__dict__.copy()
         state.update(_consumer=None, _generation_tickets={}, _forward_ticket=None, _grad_sample_ticket=None,
                      _backward_running=False, _awaiting_backward=False)  # fmt: skip
@@ -92,6 +126,10 @@ class StepContractBinding:
         self._grad_sample_ticket = None
         self._backward_running = False
 
+    def _backward_finished_by_clipping(self) -> None:
+        """Fast clipping consumed this forward's backward pass (``clipping.ghost.backward``)."""
+        self._awaiting_backward = False
+
     def _backward_done(self) -> None:
         self._backward_running = False
         self._awaiting_backward = False
@@ -104,7 +142,7 @@ class StepContractBinding:
         """A training forward of a hooked layer must come through this wrapper's forward: otherwise the
         model was called directly (a training framework holding the unwrapped model, e.g. a plain HF
         Trainer), and that forward's batch is not the one the private loader drew and accounted for."""
-        if not self._in_forward and not self._released:
+        if not self._flags.in_forward and not self._flags.released:
             if torch._C._current_autograd_node() is not None:
                 raise RuntimeError(
                     f"{submodule_label(self._module, path)} ran a forward during a backward pass: activation "

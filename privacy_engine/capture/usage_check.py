@@ -2,9 +2,12 @@
 equal the sum of its per-sample gradients (``ParameterUsageError`` otherwise: the parameter is used
 outside the forward of the module that owns it, and that use has no per-sample gradient).
 
-``UsageCheck`` is a mixin of ``GradSampleModule``; its state (``_check_*``) is initialised by
-``_reset_usage_check_state``. ``GhostClippingModule`` turns it off (``.grad`` is never written there;
-a hook per parameter refuses any gradient instead).
+``UsageCheck`` is a mixin of ``GradSampleModule``. It reads and writes ``_usage``
+(``capture.state.UsageCheckState``), and reads ``_tables.owner_paths`` / ``_tables.param_names``,
+``_module`` and ``loss_reduction``. ``hooks.py`` feeds it (``_record_for_usage_check``,
+``_record_term_scales``) while ``_usage.phase == "armed"``; ``GradSampleModule.forward`` arms it.
+``GhostClippingModule`` turns it off through ``GradSampleModule.checks_parameter_usage`` (``.grad`` is
+never written there; a hook per parameter refuses any gradient instead).
 """
 
 from __future__ import annotations
@@ -24,32 +27,24 @@ __all__ = ["UsageCheck", "at_least_float32"]
 class UsageCheck:
     """Mixin: verify, once, that each parameter's gradient is explained by its per-sample gradients."""
 
-    def _reset_usage_check_state(self) -> None:
-        self._check_state = "pending"  # -> "armed" at the first forward, "done" after the first backward
-        self._check_sums: dict[nn.Parameter, torch.Tensor] = {}
-        self._check_magnitudes: dict[nn.Parameter, float] = {}  # sum_i ||g_i||: the scale of rounding errors
-        self._check_term_scales: dict[nn.Parameter, float] = {}  # ||sum |terms| ||: see _record_term_scales
-        self._check_dtypes: dict[nn.Parameter, torch.dtype] = {}  # least precise dtype of the computation
-        self._check_autocast_dtype: torch.dtype | None = None
-        self._check_handles: list[torch.utils.hooks.RemovableHandle] = []
-
     def _arm_usage_check(self) -> None:
         """Hook every trainable parameter so the first backward can verify sum_i grad_sample[i] == grad."""
-        for handle in self._check_handles:
+        usage = self._usage
+        for handle in usage.handles:
             handle.remove()
-        trainable = [p for p in self._owner_paths if p.requires_grad]
-        self._check_sums, self._check_magnitudes = {}, {}
-        self._check_term_scales, self._check_dtypes = {}, {}
+        trainable = [p for p in self._tables.owner_paths if p.requires_grad]
+        usage.clear_records()
         # Ops under autocast ran in its dtype (bf16/fp16): the check's tolerance must follow it.
-        self._check_autocast_dtype = _autocast_dtype()
+        usage.autocast_dtype = _autocast_dtype()
         # A hook on the leaf sees exactly the gradient this backward delivers. Diffing .grad against a
         # snapshot taken at forward time would break when gradients are zeroed between forward and
         # backward (optimizer.zero_grad() just before loss.backward()), and would copy every gradient.
-        self._check_handles = [param.register_hook(partial(self._verify_parameter, param)) for param in trainable]
-        self._check_state = "armed"
+        usage.handles = [param.register_hook(partial(self._verify_parameter, param)) for param in trainable]
+        usage.phase = "armed"
 
     def _record_for_usage_check(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
-        if not self._check_sums:
+        usage = self._usage
+        if not usage.sums:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_usage_check)
         grads = grads.detach()
         self._note_check_dtype(param, grads.dtype)
@@ -57,22 +52,22 @@ class UsageCheck:
         total = grads.sum(0, dtype=at_least_float32(grads.dtype))
         if self.loss_reduction == "mean":
             total = total / batch_size
-        previous = self._check_sums.get(param)
-        self._check_sums[param] = total if previous is None else previous + total
+        previous = usage.sums.get(param)
+        usage.sums[param] = total if previous is None else previous + total
         # reshape, not flatten(1): a 0-dim parameter's per-sample gradients are 1-D.
         per_example = grads.reshape(grads.shape[0], param.numel())
         magnitude = float(torch.linalg.vector_norm(per_example, dim=1, dtype=at_least_float32(grads.dtype)).sum())
         if self.loss_reduction == "mean":
             magnitude /= max(batch_size, 1)
-        self._check_magnitudes[param] = self._check_magnitudes.get(param, 0.0) + magnitude
+        usage.magnitudes[param] = usage.magnitudes.get(param, 0.0) + magnitude
 
     def _note_check_dtype(self, param: nn.Parameter, dtype: torch.dtype) -> None:
         """Keep the least precise floating dtype a parameter's per-sample computation went through."""
         if not dtype.is_floating_point:
             return
-        previous = self._check_dtypes.get(param)
+        previous = self._usage.dtypes.get(param)
         if previous is None or torch.finfo(dtype).eps > torch.finfo(previous).eps:
-            self._check_dtypes[param] = dtype
+            self._usage.dtypes[param] = dtype
 
     def _record_term_scales(self, layer: nn.Module, activations: tuple, backprops: torch.Tensor) -> None:
         """For the first-backward check: the size of the terms each per-sample gradient sums.
@@ -112,17 +107,18 @@ class UsageCheck:
             except Exception:  # noqa: BLE001  (a sampler that rejects these values: no term scale, the check stays strict)
                 return
         for param, per_example in scales.items():
-            self._check_term_scales[param] = self._check_term_scales.get(param, 0.0) + float(per_example.sum())
+            self._usage.term_scales[param] = self._usage.term_scales.get(param, 0.0) + float(per_example.sum())
 
     def _verify_parameter(self, param: nn.Parameter, received: torch.Tensor) -> None:
-        if self._check_state != "armed":
+        usage = self._usage
+        if usage.phase != "armed":
             return
-        name = self._param_names.get(param, "?")
-        owner = submodule_label(self._module, self._owner_paths.get(param))
+        name = self._tables.param_names.get(param, "?")
+        owner = submodule_label(self._module, self._tables.owner_paths.get(param))
         received = received.detach()
-        explained = self._check_sums.get(param)
+        explained = usage.sums.get(param)
         if explained is None:
-            self._check_state = "done"
+            usage.phase = "done"
             raise ParameterUsageError(
                 f"parameter {name!r} received a gradient but its owner {owner} produced no per-sample "
                 f"gradient: it is used outside the forward of the module that owns it. Call the owning "
@@ -132,9 +128,9 @@ class UsageCheck:
         # The least precise dtype the gradient went through: the parameter's, its per-sample
         # computation's, or autocast's (bf16/fp16 autocast computes in half precision what a float32
         # parameter receives).
-        dtypes = [received.dtype, self._check_dtypes.get(param, received.dtype)]
-        if self._check_autocast_dtype is not None:
-            dtypes.append(self._check_autocast_dtype)
+        dtypes = [received.dtype, usage.dtypes.get(param, received.dtype)]
+        if usage.autocast_dtype is not None:
+            dtypes.append(usage.autocast_dtype)
         eps = max(torch.finfo(d).eps if d.is_floating_point else 0.0 for d in dtypes)
         # Relative to the per-sample magnitudes, not only to the result: when examples' gradients
         # cancel, the rounding of their sum is far larger than the (near-zero) sum itself. 1e-3 is far
@@ -144,11 +140,11 @@ class UsageCheck:
         # Plus the rounding of sums that cancel within an example (see _record_term_scales): at most a
         # few units of rounding (log2 of the number of terms, for float32 blocked sums) of sum |terms|.
         term_tolerance = max(32 * torch.finfo(torch.float32).eps, 2 * eps)
-        scale = max(float(received.norm()), float(explained.norm()), self._check_magnitudes.get(param, 0.0))
-        term_scale = self._check_term_scales.get(param, 0.0)  # from the unscaled output gradients: as received
+        scale = max(float(received.norm()), float(explained.norm()), usage.magnitudes.get(param, 0.0))
+        term_scale = usage.term_scales.get(param, 0.0)  # from the unscaled output gradients: as received
         difference = float(torch.linalg.vector_norm(received - explained.to(received.dtype), dtype=at_least_float32(received.dtype)))
         if difference > tolerance * scale + term_tolerance * term_scale + 1e-12:
-            self._check_state = "done"
+            usage.phase = "done"
             raise ParameterUsageError(
                 f"parameter {name!r}: its gradient is not the sum of its per-sample gradients computed in "
                 f"{owner}: it is also used outside the forward of that module. Route every use through "
@@ -156,16 +152,18 @@ class UsageCheck:
             )
 
     def _finish_usage_check(self) -> None:
-        for handle in self._check_handles:
+        usage = self._usage
+        for handle in usage.handles:
             handle.remove()
-        self._check_handles = []
-        self._check_sums, self._check_magnitudes = {}, {}
-        self._check_term_scales, self._check_dtypes = {}, {}
-        if self._check_state == "armed":
-            self._check_state = "done"
+        usage.handles = []
+        usage.clear_records()
+        if usage.phase == "armed":
+            usage.phase = "done"
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to accumulate ``dtype`` values in: ``dtype`` promoted to at least float32 (float64 stays;
+    float16/bfloat16 become float32); float32 for a non-floating dtype."""
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
 
 

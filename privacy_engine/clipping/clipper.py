@@ -108,11 +108,6 @@ class PerSampleGradientClipper:
         self._group_of: dict[int, int] = {id(p): g for g, group in enumerate(self.groups) for p in group}
         self.bounds: tuple[float, ...] = self.config.group_bounds(len(self.groups))
         self.total_bound: float = math.sqrt(sum(b * b for b in self.bounds))
-        if rescale_to_unit_norm and not (0 < self.total_bound < math.inf):
-            raise ValueError(
-                f"rescale_to_unit_norm needs a finite total bound > 0; max_grad_norm={max_grad_norm!r} "
-                f"gives {self.total_bound}"
-            )
         self._accumulated: dict[int, torch.Tensor] = {}  # param index -> clipped sum
         self._totals: torch.Tensor | None = None  # see ClippingStats.totals (restored from a state_dict)
         # (norms, padding mask) of each call since the last pre_step: the statistics are computed from them
@@ -145,6 +140,7 @@ class PerSampleGradientClipper:
 
     @property
     def num_groups(self) -> int:
+        """The number of clipping groups (columns of the per-example norms and factors; 1 for flat clipping)."""
         return len(self.groups)
 
     def group_index(self, param: nn.Parameter) -> int:

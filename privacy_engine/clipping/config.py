@@ -11,23 +11,23 @@ be scaled to.
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from privacy_engine.clipping.rule import validate_max_grad_norm
-
-CLIPPING_MODES = ("flat", "per_layer")
+from privacy_engine.settings_checks import (
+    CLIPPING_MODES,
+    check_clipping,
+    check_flag,
+    check_max_grad_norms,
+    check_rescale_to_unit_norm,
+    total_bound,
+)
 
 MaxGradNorm = float | Sequence[float]
 
 __all__ = ["CLIPPING_MODES", "ClippingConfig", "MaxGradNorm", "parameter_groups"]
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,33 +53,11 @@ class ClippingConfig:
     rescale_to_unit_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.clipping not in CLIPPING_MODES:
-            raise ValueError(f"clipping must be one of {CLIPPING_MODES}; got {self.clipping!r}")
-        if not isinstance(self.nan_safe, bool):
-            raise TypeError(f"nan_safe must be a bool; got {self.nan_safe!r}")
-        if not isinstance(self.rescale_to_unit_norm, bool):
-            raise TypeError(f"rescale_to_unit_norm must be a bool; got {self.rescale_to_unit_norm!r}")
-        if _is_real(self.max_grad_norm):
-            object.__setattr__(self, "max_grad_norm", validate_max_grad_norm(self.max_grad_norm))
-            return
-        if self.clipping == "flat":
-            raise TypeError(
-                f"max_grad_norm must be a number for clipping='flat'; got {self.max_grad_norm!r}. "
-                f"Use clipping='per_layer' for one bound per layer."
-            )
-        if isinstance(self.max_grad_norm, (str, bytes)) or not isinstance(self.max_grad_norm, Iterable):
-            raise TypeError(f"max_grad_norm must be a number or a sequence of numbers; got {self.max_grad_norm!r}")
-        bounds = tuple(self.max_grad_norm)
-        if not bounds:
-            raise ValueError("max_grad_norm is an empty sequence; give one bound per parameter group")
-        for index, bound in enumerate(bounds):
-            if not _is_real(bound):
-                raise TypeError(f"max_grad_norm[{index}] must be a number; got {bound!r}")
-        object.__setattr__(
-            self,
-            "max_grad_norm",
-            tuple(validate_max_grad_norm(b, name=f"max_grad_norm[{i}]") for i, b in enumerate(bounds)),
-        )
+        # Each setting's one check (privacy_engine.settings_checks), as make_private's options make it.
+        check_clipping(self.clipping)
+        check_flag("nan_safe", self.nan_safe)
+        object.__setattr__(self, "max_grad_norm", check_max_grad_norms(self.max_grad_norm, clipping=self.clipping))
+        check_rescale_to_unit_norm(self.rescale_to_unit_norm, total_bound(self.max_grad_norm))
 
     def group_bounds(self, num_groups: int) -> tuple[float, ...]:
         """The bound of each of ``num_groups`` groups (raises if a sequence has another length)."""

@@ -60,6 +60,8 @@ def expand_rows(row_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (no NaN, no ±Inf); one device sync. The tensors must
+    be on one device, and at least one (``RuntimeError`` from ``torch.stack`` for none)."""
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 

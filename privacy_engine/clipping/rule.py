@@ -10,13 +10,12 @@ import math
 
 import torch
 
+from privacy_engine.settings_checks import check_max_grad_norm, check_rescale_to_unit_norm
 
-def validate_max_grad_norm(max_grad_norm: float, *, name: str = "max_grad_norm") -> float:
-    """Return ``max_grad_norm`` as a float, or raise naming ``name`` if it is negative or NaN."""
-    value = float(max_grad_norm)
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{name} must be >= 0 (inf disables clipping); got {max_grad_norm!r}")
-    return value
+__all__ = ["clip_factors", "validate_max_grad_norm"]
+
+#: The one check of a bound (``privacy_engine.settings_checks``), under the name this module exported.
+validate_max_grad_norm = check_max_grad_norm
 
 
 def clip_factors(
@@ -46,9 +45,8 @@ def clip_factors(
     ``C < 0`` or NaN           ValueError
     =========================  ==============================================
     """
-    bound = validate_max_grad_norm(max_grad_norm)
-    if rescale_to_unit_norm and (bound == 0 or math.isinf(bound)):
-        raise ValueError(f"rescale_to_unit_norm needs a finite max_grad_norm > 0; got {max_grad_norm!r}")
+    bound = check_max_grad_norm(max_grad_norm)
+    check_rescale_to_unit_norm(rescale_to_unit_norm, bound)
     norms = per_sample_norms.detach()
     if bound == 0:
         factors = torch.zeros_like(norms)

@@ -38,29 +38,37 @@ class ClippingStats:
 
     @property
     def totals(self) -> torch.Tensor:
+        """float64 ``(count, sum of norms, max norm, number clipped)``, computed on first read and kept (on
+        the device it was computed on)."""
         if self._totals is None:
             self._totals, self._compute = self._compute(), None
         return self._totals
 
     @property
     def num_examples(self) -> int:
+        """Examples (users with per-user clipping) in the step, padding not counted."""
         return int(self.totals[0].item())
 
     @property
     def mean_per_sample_norm(self) -> float:
+        """Mean pre-clipping L2 norm over the step's examples (0.0 with no example)."""
         count = float(self.totals[0].item())
         return float(self.totals[1].item()) / count if count else 0.0
 
     @property
     def max_per_sample_norm(self) -> float:
+        """Largest pre-clipping L2 norm of an example (0.0 with no example)."""
         return float(self.totals[2].item()) if self.totals[0].item() else 0.0
 
     @property
     def clipped_fraction(self) -> float:
+        """Fraction of examples clipped (any group over its bound, or dropped as non-finite); 0.0 with no
+        example."""
         count = float(self.totals[0].item())
         return float(self.totals[3].item()) / count if count else 0.0
 
     def as_dict(self) -> dict[str, float]:
+        """The four statistics by name (reads them, so syncs with the device). Not private: do not release."""
         return {
             "num_examples": self.num_examples,
             "mean_per_sample_norm": self.mean_per_sample_norm,

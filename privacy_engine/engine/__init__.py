@@ -8,8 +8,9 @@ privacy ledger::
     ...  # the usual training loop
     engine.get_epsilon(delta=1e-5)
 
-Opacus's keyword names are accepted (``module=``, ``data_loader=``, ``grad_sample_mode=``,
-``noise_generator=``, ...), so an Opacus script switches by changing its import. BandMF:
+The keywords are those Opacus uses for the same settings (``module=``, ``data_loader=``,
+``grad_sample_mode=``, ``noise_generator=``, ...), so a script written for Opacus switches by changing
+its import. BandMF:
 ``noise_mechanism="bandmf"`` (with ``num_bands=b``, or none to let the engine choose;
 ``max_batch_size=`` for fixed-shape, truncated batches); ``engine.noise_plan`` says what was set up.
 
@@ -20,7 +21,8 @@ The modules, in the order of a ``make_private`` call:
 - ``plan``: options + model, optimizer, loader -> what will be built (noise mechanism, sampling, sigma),
   with ``bands`` (BandMF's number of bands) and ``calibration`` (sigma for an epsilon target);
 - ``build``: the private optimizer, then the wrapped model (``make_private`` returns
-  ``(module, optimizer, data_loader)`` in every mode);
+  ``(module, optimizer, data_loader)`` in every mode), then ``connect``: ``connect_private`` ties that
+  one wrapper, optimizer and loader together (the one function that does; hand-built pipelines call it);
 - ``privacy_engine``: ``PrivacyEngine``, which runs the three and keeps the ledger (``ledger``,
   ``budget``); ``checkpoint`` saves and restores a run.
 """
@@ -28,13 +30,14 @@ The modules, in the order of a ``make_private`` call:
 from privacy_engine.engine.bands import CANDIDATE_NUM_BANDS
 from privacy_engine.engine.budget import PrivacyBudget, PrivacyBudgetExceeded
 from privacy_engine.engine.noise_plan import BandCandidate, NoisePlan
-from privacy_engine.engine.options import PrivacyOptions
+from privacy_engine.engine.options import PerformanceFlags, PrivacyOptions
 from privacy_engine.engine.privacy_engine import PrivacyEngine
 
 __all__ = [
     "CANDIDATE_NUM_BANDS",
     "BandCandidate",
     "NoisePlan",
+    "PerformanceFlags",
     "PrivacyBudget",
     "PrivacyBudgetExceeded",
     "PrivacyEngine",

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 
 from accountants import Accountant, CalibrationError
+from accountants.events import EventSpec
 from privacy_engine.engine.calibration import COMPARISON_TOLERANCE, calibrate, comparison_accountant
 from privacy_engine.engine.limits import check_bandmf_size
 from privacy_engine.engine.noise_plan import BandCandidate, LoaderShape, NoiseChoice
@@ -131,7 +132,7 @@ def compare_num_bands(allowed: list[int], options: PrivacyOptions, shape: Loader
             group_size = -(-num_examples // bands) if max_batch_size is not None else None
             try:
                 sigma = calibrate(comparison, options.target, bands * shape.batch_size / num_examples, accounted_steps,
-                                  num_bands=bands, group_size=group_size, max_batch_size=max_batch_size,
+                                  event=EventSpec(num_bands=bands), group_size=group_size, max_batch_size=max_batch_size,
                                   tolerance=COMPARISON_TOLERANCE)  # fmt: skip
             except CalibrationError as error:
                 if not error.unreachable:

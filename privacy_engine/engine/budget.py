@@ -137,7 +137,7 @@ def step_kwargs_of(optimizer: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "noise_multiplier": optimizer.noise_multiplier,
         "sample_rate": optimizer.sample_rate,
-        "num_bands": optimizer.num_bands,
+        **optimizer.privacy_event.step_kwargs(),  # the event its noise mechanism states
     }
     if getattr(optimizer, "source", ""):
         kwargs["source"] = optimizer.source

@@ -1,5 +1,6 @@
 """From a checked ``Plan`` to the private objects: the DP optimizer (clipper, noise, ledger,
-budget, loader, grad scaler), then the wrapped model, last, because wrapping hooks the model."""
+budget, grad scaler), then the wrapped model, last, because wrapping hooks the model; then the engine
+connects the three (``connect_private``: this wrapper, this optimizer and this loader, nothing else)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from accountants import Accountant
-from privacy_engine.capture import GradSampleModule
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.engine.budget import PrivacyBudget
+from privacy_engine.engine.connect import connect_private
 from privacy_engine.engine.ledger import ledger_for
 from privacy_engine.engine.plan import Plan
 from privacy_engine.training import distributed
@@ -46,7 +47,7 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
             "treats them as Poisson samples with rate 1/len(loader) (k batches in one step: rate k/len(loader)); "
             "the reported epsilon is an approximation"
         )
-    optimizer = DPOptimizer(
+    optimizer = plan.classes.optimizer(
         plan.optimizer,
         noise_multiplier=noise_plan.noise_multiplier,
         expected_batch_size=noise_plan.expected_batch_size,
@@ -66,37 +67,28 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     if plan.distributed is not None:
         # Noise drawn on rank 0, then one all-reduce of clipped sums + noise per global step.
         distributed.configure(optimizer, plan.distributed)
-    if sampled:
-        optimizer.attach_loader(loader)
     if options.grad_scaler is not None:
         optimizer.attach_grad_scaler(options.grad_scaler)
     return optimizer
 
 
 def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple[nn.Module, DPOptimizer, DataLoader]:
-    """Hook the model for ``plan.options.grad_sample_mode`` and return ``(module, optimizer, loader)``
-    in every mode: ``module`` is a ``GradSampleModule`` ("hooks", "functorch", "ew"), a
-    ``GhostClippingModule`` ("ghost") or a ``ManualGradSampleModule`` ("no_op"); ``optimizer`` is the
-    one given (bound to ``module``); ``loader`` is ``plan.private_loader``. Opacus's ghost-mode
-    criterion is the Opacus namespace's to add (``privacy_engine.opacus.PrivacyEngine``)."""
+    """Hook the model for ``plan.options.grad_sample_mode``, connect it to ``optimizer`` and the private
+    loader, and return ``(module, optimizer, loader)`` in every mode: ``module`` is a
+    ``GradSampleModule`` ("hooks", "functorch", "ew"), a ``GhostClippingModule`` ("ghost", with
+    ``optimizer.clipper`` attached) or a ``ManualGradSampleModule`` ("no_op"); ``optimizer`` is the one
+    given; ``loader`` is ``plan.private_loader``. Unlike Opacus's ghost mode, no criterion is wrapped
+    or returned: clipping happens inside the ordinary backward pass."""
     options, loader = plan.options, plan.private_loader
-    if options.grad_sample_mode == "no_op":
-        from privacy_engine.capture.manual import ManualGradSampleModule
-
-        manual = ManualGradSampleModule(
-            plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction
-        )
-        return manual, optimizer, loader
-    if options.grad_sample_mode != "ghost":  # "hooks", "functorch" and Opacus's "ew"
-        wrapped = GradSampleModule(plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction)
-        optimizer._bind_if_ours(wrapped)
-        return wrapped, optimizer, loader
-    # Imported here: only the ghost mode needs it.
-    from privacy_engine.clipping.ghost import GhostClippingModule
-
-    ghost = GhostClippingModule(plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction)
-    # The optimizer's current_padding_mask follows the loader's mask (and VirtualSteps' slices
-    # of it), so padding examples contribute zero in ghost mode as well.
-    ghost.attach_clipper(optimizer.clipper, padding_mask_source=optimizer.current_padding_mask)
-    optimizer._bind_if_ours(ghost)
-    return ghost, optimizer, loader
+    classes = plan.classes
+    # "hooks", "functorch" and "ew" hook the model; "ghost" clips in backward; "no_op" leaves it to the loop.
+    wrapper_class = {"no_op": classes.manual, "ghost": classes.ghost}.get(options.grad_sample_mode, classes.hooks)
+    wrapped = wrapper_class(plan.model, batch_first=options.batch_first, loss_reduction=options.loss_reduction)
+    # The engine owns the binding: this wrapper, this optimizer and (Poisson sampling) this loader, for good.
+    # Without Poisson sampling the loader's plain batches carry no ticket: no loader is attached.
+    try:
+        connect_private(wrapped, optimizer, loader if isinstance(loader, DPDataLoader) else None)
+    except BaseException:
+        wrapped.to_standard_module()  # the model as it was given: hooks and marks removed
+        raise
+    return wrapped, optimizer, loader

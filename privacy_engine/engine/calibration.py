@@ -17,6 +17,7 @@ from pathlib import Path
 import accountants
 from accountants import Accountant, PLDAccountant, calibrate_noise_multiplier
 from accountants.calibration import DEFAULT_TOLERANCE
+from accountants.events import EventSpec
 
 __all__ = [
     "COMPARISON_TOLERANCE",
@@ -40,26 +41,27 @@ def _frozen_settings(accountant: Accountant) -> tuple:
 @functools.lru_cache(maxsize=1024)
 def _cached_calibration(
     accountant_type: type, settings: tuple, target_epsilon: float, target_delta: float, sample_rate: float,
-    steps: int, num_bands: int, group_size: int | None, max_batch_size: int | None, tolerance: float,
+    steps: int, event: EventSpec, group_size: int | None, max_batch_size: int | None, tolerance: float,
 ) -> float:  # fmt: skip
     # Calibration is a deterministic function of these arguments (the accountant is rebuilt from
     # its settings), so caching cannot change a result, only skip recomputing it.
     accountant = accountant_type(**{k: list(v) if isinstance(v, tuple) else v for k, v in settings})
     return calibrate_noise_multiplier(
-        target_epsilon, target_delta, sample_rate, steps, accountant=accountant, num_bands=num_bands,
-        group_size=group_size, max_batch_size=max_batch_size, tolerance=tolerance,
+        target_epsilon, target_delta, sample_rate, steps, accountant=accountant, group_size=group_size,
+        max_batch_size=max_batch_size, tolerance=tolerance, **event.step_kwargs(),
     )  # fmt: skip
 
 
 def calibrate(accountant: Accountant, target: tuple[float, float], sample_rate: float, steps: int, *,
-              num_bands: int, group_size: int | None, max_batch_size: int | None,
+              event: EventSpec, group_size: int | None, max_batch_size: int | None,
               tolerance: float | None = None) -> float:  # fmt: skip
-    """Smallest sigma meeting ``target`` for this mechanism on ``accountant``'s kind and settings
+    """Smallest sigma meeting ``target`` for the mechanism stating ``event`` (its kind, parameters and
+    bands: a custom mechanism is calibrated for the event it states) on ``accountant``'s kind and settings
     (``accountants.calibrate_noise_multiplier``, whose guarantee it keeps), cached. Records nothing
     on ``accountant``; raises ``accountants.CalibrationError`` as it does."""
     return _cached_calibration(
         type(accountant), _frozen_settings(accountant), target[0], target[1], float(sample_rate), int(steps),
-        int(num_bands), group_size, max_batch_size, DEFAULT_TOLERANCE if tolerance is None else float(tolerance),
+        event, group_size, max_batch_size, DEFAULT_TOLERANCE if tolerance is None else float(tolerance),
     )  # fmt: skip
 
 
@@ -78,7 +80,7 @@ _LIBRARY_FOLDERS = (str(Path(__file__).parents[1]) + os.sep, str(Path(accountant
 
 def _outside_the_library() -> int:
     """The ``stacklevel`` of the first caller outside privacy_engine and accountants (the user's line:
-    ``make_private_with_epsilon``, or a subclass such as Opacus's namespace, may be reached by any path)."""
+    ``make_private_with_epsilon``, or a subclass's method, may be reached by any path)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FOLDERS):
         frame, level = frame.f_back, level + 1

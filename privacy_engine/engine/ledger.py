@@ -22,6 +22,9 @@ class TruncatedLedger:
         self.max_batch_size = max_batch_size
 
     def step(self, **kwargs: Any) -> None:
+        """Record the step on the accountant with this ledger's ``group_size`` and ``max_batch_size`` added
+        (accounted as truncated Poisson sampling: PLD only, RDP raises ``NotImplementedError``). Errors as
+        ``Accountant.step``: invalid arguments raise before anything is recorded."""
         self.accountant.step(**kwargs, group_size=self.group_size, max_batch_size=self.max_batch_size)
 
     # The "what if" questions the privacy budget asks (engine.budget) take the same step.
@@ -29,15 +32,22 @@ class TruncatedLedger:
         return {**kwargs, "group_size": self.group_size, "max_batch_size": self.max_batch_size}
 
     def history_if(self, **kwargs: Any) -> tuple:
+        """``Accountant.history_if`` for the truncated step: the history it would leave; nothing recorded."""
         return self.accountant.history_if(**self._truncated(kwargs))
 
     def epsilon_if(self, delta: float, **kwargs: Any) -> float:
+        """``Accountant.epsilon_if`` for the truncated step: epsilon at ``delta`` were it recorded now;
+        nothing recorded."""
         return self.accountant.epsilon_if(delta, **self._truncated(kwargs))
 
     def would_exceed(self, max_epsilon: float, delta: float, **kwargs: Any) -> bool:
+        """``Accountant.would_exceed`` for the truncated step: whether recording it would take epsilon at
+        ``delta`` above ``max_epsilon``; nothing recorded."""
         return self.accountant.would_exceed(max_epsilon, delta, **self._truncated(kwargs))
 
     def steps_left(self, max_epsilon: float, delta: float, **kwargs: Any) -> int:
+        """``Accountant.steps_left`` for the truncated step: how many more such steps keep epsilon at
+        ``delta`` within ``max_epsilon``; nothing recorded."""
         return self.accountant.steps_left(max_epsilon, delta, **self._truncated(kwargs))
 
     def __getattr__(self, name: str) -> Any:

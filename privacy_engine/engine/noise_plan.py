@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accountants.events import EventSpec
+
 __all__ = ["BandCandidate", "LoaderShape", "NoiseChoice", "NoisePlan"]
 
 
@@ -56,6 +58,7 @@ class NoisePlan:
 
     @property
     def num_bands_chosen_automatically(self) -> bool:
+        """Whether ``num_bands`` was chosen automatically (``candidates`` is not empty)."""
         return bool(self.candidates)
 
 
@@ -71,6 +74,13 @@ class NoiseChoice:
     total_steps: int | None
     noise_multiplier: float  # inf: to be calibrated
     candidates: tuple[BandCandidate, ...] = ()
+    #: The privacy event the mechanism states (a custom mechanism's own); None: DP-SGD over ``num_bands``.
+    stated_event: EventSpec | None = None
+
+    @property
+    def event(self) -> EventSpec:
+        """What calibration and the accountant are given for this mechanism."""
+        return EventSpec(num_bands=self.num_bands) if self.stated_event is None else self.stated_event
 
 
 @dataclass(frozen=True, kw_only=True)

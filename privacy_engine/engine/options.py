@@ -4,7 +4,11 @@ dataclass (``PrivacyOptions``), validated in one place with errors that name the
 The two entry points take the settings as keywords and build it (``options_from``); what each one
 requires or refuses is a row of ``ENTRY_POINTS``, and ``takes_settings`` shows the fields in the
 methods' signatures (``help``, ``inspect.signature``), so the list of settings is written once.
-Opacus's spellings are translated by ``opacus_names`` and ``resolve_accountant``.
+Each setting is checked by its one function in ``privacy_engine.settings_checks`` (the one a
+hand-built ``DPOptimizer``, ``ClippingConfig`` and the noise mechanisms call too). The fields that
+cannot change what is released or how it is accounted are also grouped as ``PerformanceFlags``
+(``PrivacyOptions.performance``). The objects' two spellings (``model``/``module``,
+``loader``/``data_loader``) are read by ``model_and_loader``; accountant names by ``resolve_accountant``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,46 +23,84 @@ from typing import Any, TypeVar
 import torch
 
 from accountants import Accountant, make_accountant
-from privacy_engine.capture import LOSS_REDUCTIONS
-from privacy_engine.clipping import CLIPPING_MODES
-from privacy_engine.clipping.rule import validate_max_grad_norm
 from privacy_engine.engine.budget import PrivacyBudget, budget_from
 from privacy_engine.engine.limits import check_bandmf_size, check_target_epsilon
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.noise.strategy import validated_coefficients
+from privacy_engine.settings_checks import (
+    check_clipping,
+    check_count,
+    check_flag,
+    check_grad_sample_mode,
+    check_loss_reduction,
+    check_max_grad_norms,
+    check_no_seed_for_given_noise,
+    check_noise_generator,
+    check_noise_multiplier,
+    check_noise_seed,
+    check_noise_std,
+    check_rescale_to_unit_norm,
+    check_target_delta,
+    total_bound,
+)
+from privacy_engine.settings_checks import check_target_epsilon as check_target_epsilon_value
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _MAX_NOISE_STD = _FLOAT32_MAX / 2**20  # headroom for tail draws and norms of the noise (~3.2e32)
 
-__all__ = ["ENTRY_POINTS", "PrivacyOptions", "opacus_names", "options_from", "resolve_accountant", "takes_settings"]
+__all__ = [
+    "ACCOUNTANT_ALIASES",
+    "ENTRY_POINTS",
+    "PerformanceFlags",
+    "PrivacyOptions",
+    "model_and_loader",
+    "options_from",
+    "resolve_accountant",
+    "takes_settings",
+]
 
-# Opacus's default accountant is "prv" (a numerical privacy-loss accountant like PLD): it maps to
-# dp-accounting's PLD accountant here.
+#: The one table of accountant names: each accepted name -> the ``accountants`` name it builds.
+#: "prv" (a privacy-random-variable accountant, numerical like PLD, computing the same epsilon of the
+#: composed sampled Gaussian) is read as dp-accounting's PLD accountant.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
-# Opacus's "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
-# so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "ew", "no_op")
 NOISE_MECHANISMS = ("gaussian", "bandmf")
 
 
-def real(name: str, value: Any) -> float:
-    """``value`` as a float; TypeError naming ``name`` unless it is a real number (bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number; got {value!r}")
-    return float(value)
+@dataclass(frozen=True, kw_only=True)
+class PerformanceFlags:
+    """The settings that cannot affect privacy: they choose how the clipped sum is computed, never
+    the bound each example is clipped to, the noise, the sampling or what is accounted. A reviewer
+    checking the guarantee may skip them; ``PrivacyOptions.performance`` gives a run's.
 
+    Keyword Args:
+        grad_sample_mode: ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias of ``"hooks"``),
+            ``"ghost"`` (fast clipping in the backward pass) or ``"no_op"`` (the loop sets
+            ``p.grad_sample``): every mode clips each example's gradient to ``max_grad_norm``.
+        grad_scaler: a ``torch.amp.GradScaler`` for fp16 loss scaling; clipping happens at the
+            unscaled size, so the bound is the same with or without it.
+    """
 
-def _is_int(value: Any, *, low: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= low
+    grad_sample_mode: str = "hooks"
+    grad_scaler: torch.amp.GradScaler | None = None
+
+    def __post_init__(self) -> None:
+        check_grad_sample_mode(self.grad_sample_mode)
+        if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler or None; got {type(self.grad_scaler).__name__}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrivacyOptions:
     """Every setting of ``make_private`` / ``make_private_with_epsilon`` (the model, optimizer and
     loader aside). Both methods take these fields as keywords; each is checked here, before
-    anything is wrapped, with an error that names it.
+    anything is wrapped, by its one function in ``privacy_engine.settings_checks`` (the error names
+    it). ``grad_sample_mode`` and ``grad_scaler`` cannot affect privacy (``PerformanceFlags``,
+    ``performance``); every other field decides what is released or how it is accounted.
 
-    Opacus's names throughout.
+    The names are those Opacus uses for the same settings, so a script written for Opacus needs no
+    renaming.
 
     Keyword Args:
         noise_multiplier: sigma >= 0 (noise std / sensitivity). ``make_private`` needs it;
@@ -83,18 +124,15 @@ class PrivacyOptions:
         batch_first: the batch is dim 0 (True) or dim 1 of the model's inputs.
         noise_seed: seed for reproducible noise (``None``: one draw from torch's global generator, so
             ``torch.manual_seed`` makes a run reproducible, as with Opacus; never in secure mode).
-        noise_generator: Opacus's seeding: a ``torch.Generator`` that seeds the noise (one draw) and
-            drives Poisson sampling.
+        noise_generator: a ``torch.Generator`` that seeds the noise (one draw) and drives Poisson
+            sampling (as Opacus's ``noise_generator`` does).
         grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
             ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast clipping
             inside the backward pass (``GhostClippingModule``). The engine returns ``(module,
-            optimizer, data_loader)`` in every mode; only the Opacus namespace
-            (``privacy_engine.opacus``) returns ``(module, optimizer, criterion, data_loader)`` in ghost
-            mode, as Opacus does. Opacus's ``"ew"`` is an alias of
-            ``"hooks"`` (the same exact gradients). ``"no_op"``: the loop computes the per-sample
-            gradients itself and sets ``p.grad_sample`` (``ManualGradSampleModule``).
-        criterion: Opacus namespace only: returned (unchanged) in ghost mode; default
-            ``nn.CrossEntropyLoss``. The engine's own ``make_private`` refuses it (the loss is yours).
+            optimizer, data_loader)`` in every mode (unlike Opacus, whose ghost mode also returns a
+            wrapped criterion). ``"ew"`` is an alias of ``"hooks"`` (the same exact gradients; Opacus
+            computes them differently). ``"no_op"``: the loop computes the per-sample gradients itself
+            and sets ``p.grad_sample`` (``ManualGradSampleModule``).
         noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
             Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), or a
             ready ``NoiseMechanism``.
@@ -130,7 +168,6 @@ class PrivacyOptions:
     noise_seed: int | None = None
     noise_generator: torch.Generator | None = None
     grad_sample_mode: str = "hooks"
-    criterion: Any = None
     noise_mechanism: str | NoiseMechanism = "gaussian"
     num_bands: int | None = None
     bandmf_coefficients: Sequence[float] | None = None
@@ -149,10 +186,7 @@ class PrivacyOptions:
         self._check_noise_std()
         self._check_noise_mechanism()
         self._check_max_batch_size()
-        if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
-            raise TypeError(
-                f"grad_scaler must be a torch.amp.GradScaler or None; got {type(self.grad_scaler).__name__}"
-            )
+        self.performance  # noqa: B018  (PerformanceFlags checks grad_sample_mode and grad_scaler)
 
     # ------------------------------------------------------------------ derived settings
     @property
@@ -169,8 +203,13 @@ class PrivacyOptions:
     def wants_bandmf(self) -> bool:
         """BandMF by name, or a ready mechanism with more than one band (cyclic Poisson sampling)."""
         if isinstance(self.noise_mechanism, NoiseMechanism):
-            return int(getattr(self.noise_mechanism, "num_bands", 1)) > 1
+            return self.noise_mechanism.privacy_event().num_bands > 1
         return self.noise_mechanism == "bandmf"
+
+    @property
+    def performance(self) -> PerformanceFlags:
+        """The settings that cannot affect privacy (``PerformanceFlags``)."""
+        return PerformanceFlags(grad_sample_mode=self.grad_sample_mode, grad_scaler=self.grad_scaler)
 
     def budget(self) -> PrivacyBudget | None:
         """A new budget for one ``make_private`` call (None for none); it keeps state, so not a field."""
@@ -193,102 +232,53 @@ class PrivacyOptions:
         else:
             if self.noise_multiplier is not None:
                 raise TypeError("make_private_with_epsilon calibrates noise_multiplier itself; do not pass it")
-            target_epsilon = real("target_epsilon", self.target_epsilon)
-            if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-                raise ValueError(f"target_epsilon must be finite and > 0; got {target_epsilon!r}")
-            check_target_epsilon(target_epsilon)
-            target_delta = real("target_delta", self.target_delta)
-            if not 0 < target_delta < 1:
-                raise ValueError(
-                    f"target_delta must be in (0, 1), e.g. 1e-5 (below 1/dataset size); got {target_delta!r}"
-                )
-            if not _is_int(self.epochs, low=1):
-                raise ValueError(f"epochs must be an int >= 1; got {self.epochs!r}")
+            target_epsilon = check_target_epsilon_value(self.target_epsilon)
+            check_target_epsilon(target_epsilon)  # the calibration's cost grows with it (engine.limits)
             self._set("target_epsilon", target_epsilon)
-            self._set("target_delta", target_delta)
-            self._set("epochs", int(self.epochs))
+            self._set("target_delta", check_target_delta(self.target_delta))
+            self._set("epochs", check_count("epochs", self.epochs))
         self.budget()  # checks max_epsilon and target_delta, naming them
 
     def _check_noise_multiplier(self) -> None:
-        if self.noise_multiplier is None:
-            return
-        sigma = real("noise_multiplier", self.noise_multiplier)
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"noise_multiplier must be finite and >= 0; got {self.noise_multiplier!r}")
-        self._set("noise_multiplier", sigma)
+        if self.noise_multiplier is not None:
+            self._set("noise_multiplier", check_noise_multiplier(self.noise_multiplier))
 
     def _check_choices(self) -> None:
-        if self.clipping not in CLIPPING_MODES:
-            hint = " (adaptive clipping is not supported)" if self.clipping == "adaptive" else ""
-            raise ValueError(f"clipping must be one of {CLIPPING_MODES}; got {self.clipping!r}{hint}")
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {self.loss_reduction!r}")
-        for name in ("batch_first", "poisson_sampling", "nan_safe", "rescale_to_unit_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
-        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}; got {self.grad_sample_mode!r}")
+        check_clipping(self.clipping)
+        check_loss_reduction(self.loss_reduction)
+        for name in ("batch_first", "poisson_sampling", "nan_safe"):
+            check_flag(name, getattr(self, name))
 
     def _check_seeding(self) -> None:
-        if self.noise_seed is not None and not _is_int(self.noise_seed, low=0):
-            raise ValueError(f"noise_seed must be an int >= 0 or None; got {self.noise_seed!r}")
-        if self.noise_generator is not None and not isinstance(self.noise_generator, torch.Generator):
-            raise TypeError(f"noise_generator must be a torch.Generator; got {type(self.noise_generator).__name__}")
+        check_noise_seed(self.noise_seed)
+        check_noise_generator(self.noise_generator)
         if self.noise_seed is not None and self.noise_generator is not None:
             raise ValueError("give noise_seed or noise_generator, not both")
 
     def _check_max_grad_norm(self) -> None:
-        """The bounds themselves; their number against the model's layers is the plan's check."""
-        bound = self.max_grad_norm
-        if self.clipping == "flat":
-            if isinstance(bound, (list, tuple)):
-                raise TypeError(
-                    "max_grad_norm must be one number for clipping='flat' (a list needs clipping='per_layer')"
-                )
-            value = validate_max_grad_norm(real("max_grad_norm", bound))
-            if value == 0:
-                raise ValueError("max_grad_norm must be > 0 (0 would clip every gradient to zero)")
-            if math.isinf(value) and self.sigma > 0:
-                raise ValueError(
-                    "max_grad_norm is inf with noise_multiplier > 0: no finite noise hides unclipped gradients"
-                )
-            return
-        if isinstance(bound, numbers.Real) and not isinstance(bound, bool):
-            bounds = [bound]
-        elif isinstance(bound, (str, bytes)) or not isinstance(bound, Sequence):
-            raise TypeError(f"max_grad_norm must be a number or a list of numbers; got {bound!r}")
-        else:
-            bounds = list(bound)
-        for index, each in enumerate(bounds):
-            value = validate_max_grad_norm(real(f"max_grad_norm[{index}]", each), name=f"max_grad_norm[{index}]")
-            if value == 0 or (math.isinf(value) and self.sigma > 0):
-                raise ValueError(f"max_grad_norm[{index}] must be finite and > 0; got {each!r}")
+        """The bounds themselves (each > 0 here: a bound of 0 trains nothing); their number against
+        the model's layers is the plan's check. A list is kept as a tuple of floats."""
+        bounds = check_max_grad_norms(self.max_grad_norm, clipping=self.clipping, positive=True)
+        if isinstance(bounds, tuple):
+            self._set("max_grad_norm", bounds)
+        check_rescale_to_unit_norm(self.rescale_to_unit_norm, total_bound(bounds))
 
     def _check_noise_std(self) -> None:
         """The noise std, noise_multiplier * max_grad_norm (per-layer: times the norm of the bounds), must
         be finite in float32, where the noise is drawn and added: beyond, the released gradient and the
         parameters become inf/NaN. The limit leaves room for the Gaussian's tail (draws of ~10 std) and
-        for the sum of many coordinates' noise in a norm."""
-        if self.noise_multiplier is None or self.sigma == 0:
-            return
-        bound = self.max_grad_norm
-        bounds = list(bound) if isinstance(bound, (list, tuple)) else [bound]
-        try:
-            std = self.sigma * math.hypot(*(float(each) for each in bounds))
-        except (TypeError, ValueError, OverflowError):
-            return  # max_grad_norm's own check names the problem
-        if not std <= _MAX_NOISE_STD:  # also catches an overflow to inf
-            raise ValueError(
-                f"noise_multiplier * max_grad_norm must be at most {_MAX_NOISE_STD:.3g} (the noise is drawn in "
-                f"float32, whose largest value is {_FLOAT32_MAX:.3g}); got noise_multiplier="
-                f"{self.noise_multiplier!r} with max_grad_norm={self.max_grad_norm!r}"
-            )
+        for the sum of many coordinates' noise in a norm. An infinite bound with noise is refused."""
+        bound = total_bound(self.max_grad_norm)
+        if self.noise_multiplier is None:
+            # Calibrated later, always > 0: what can be refused now is noise on unclipped gradients.
+            check_noise_std(1.0, bound)
+        else:
+            check_noise_std(self.noise_multiplier, bound, limit=_MAX_NOISE_STD)
 
     def _check_noise_mechanism(self) -> None:
         mechanism = self.noise_mechanism
         if isinstance(mechanism, NoiseMechanism):
-            if self.noise_seed is not None or self.noise_generator is not None:
-                raise ValueError("noise_seed/noise_generator cannot seed a noise mechanism you built; seed it yourself")
+            check_no_seed_for_given_noise(self.noise_seed, self.noise_generator)
             if self.wants_bandmf and not self.poisson_sampling:
                 raise ValueError("poisson_sampling must be True for a BandMF noise mechanism (cyclic Poisson sampling)")
             return
@@ -309,10 +299,8 @@ class PrivacyOptions:
                 "(every example in one of b groups, each sampled only every b steps)"
             )
         num_bands = self.num_bands
-        if num_bands is not None and not _is_int(num_bands, low=1):
-            raise ValueError(
-                f"num_bands must be an int >= 1 (or None to choose it) with noise_mechanism='bandmf'; got {num_bands!r}"
-            )
+        if num_bands is not None:
+            num_bands = check_count("num_bands", num_bands, what="or None to choose it, with noise_mechanism='bandmf'")
         if self.bandmf_coefficients is not None:
             coefficients = validated_coefficients(self.bandmf_coefficients, name="bandmf_coefficients")
             coefficients = tuple(float(c) for c in coefficients)
@@ -322,10 +310,8 @@ class PrivacyOptions:
             num_bands = len(coefficients)
         if num_bands is not None:
             self._set("num_bands", int(num_bands))
-        if self.total_steps is not None and not _is_int(self.total_steps, low=1):
-            raise ValueError(
-                f"total_steps must be an int >= 1 (the number of steps of the run); got {self.total_steps!r}"
-            )
+        if self.total_steps is not None:
+            check_count("total_steps", self.total_steps, what="the number of steps of the run")
         # Before anything is allocated: the strategy's memory and time grow with both.
         check_bandmf_size(total_steps=None if self.total_steps is None else int(self.total_steps),
                           num_bands=None if num_bands is None else int(num_bands),
@@ -339,14 +325,11 @@ class PrivacyOptions:
     def _check_max_batch_size(self) -> None:
         if self.max_batch_size is None:
             return
-        if not _is_int(self.max_batch_size, low=1):
-            raise ValueError(
-                "max_batch_size must be an int >= 1 (the cap on real examples per batch) or None; "
-                f"got {self.max_batch_size!r}"
-            )
+        max_batch_size = check_count("max_batch_size", self.max_batch_size,
+                                     what="the cap on real examples per batch, or None")  # fmt: skip
         if not self.poisson_sampling:
             raise ValueError("max_batch_size (truncated Poisson sampling) needs poisson_sampling=True")
-        self._set("max_batch_size", int(self.max_batch_size))
+        self._set("max_batch_size", max_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -420,23 +403,24 @@ def takes_settings(entry_point: str) -> Callable[[Method], Method]:
     return decorate
 
 
-# ---------------------------------------------------------------------------------------------- Opacus's names
-def _pick(name: str, value: Any, opacus_name: str, opacus_value: Any) -> Any:
-    """One of the two spellings of an argument (ours or Opacus's); both given is an error."""
-    if value is not None and opacus_value is not None and value is not opacus_value:
-        raise TypeError(f"{name} and {opacus_name} name the same argument; give one of them")
-    return opacus_value if value is None else value
+# ---------------------------------------------------------------------------------------------- the objects' names
+def _pick(name: str, value: Any, other_name: str, other_value: Any) -> Any:
+    """One of the two spellings of an argument; both given (different objects) is an error."""
+    if value is not None and other_value is not None and value is not other_value:
+        raise TypeError(f"{name} and {other_name} name the same argument; give one of them")
+    return other_value if value is None else value
 
 
-def opacus_names(model: Any, module: Any, loader: Any, data_loader: Any) -> tuple[Any, Any]:
-    """``(model, loader)`` from our names (``model``, ``loader``) or Opacus's (``module``,
+def model_and_loader(model: Any, module: Any, loader: Any, data_loader: Any) -> tuple[Any, Any]:
+    """``(model, loader)`` from either spelling of each (``model`` or ``module``, ``loader`` or
     ``data_loader``); TypeError when both spellings of one are given (different objects)."""
     return _pick("model", model, "module", module), _pick("loader", loader, "data_loader", data_loader)
 
 
 def resolve_accountant(accountant: str | Accountant) -> Accountant:
-    """The engine's accountant: ``"pld"``, ``"rdp"`` or Opacus's ``"prv"`` (read as ``"pld"``), any
-    case; or an empty ``Accountant`` instance, used as is. ValueError naming the problem otherwise."""
+    """The engine's accountant: a name of ``ACCOUNTANT_ALIASES`` (``"pld"``, ``"rdp"``; ``"prv"`` is
+    read as ``"pld"``), any case; or an empty ``Accountant`` instance, used as is. ValueError naming
+    the problem otherwise."""
     if isinstance(accountant, Accountant):
         if accountant.history:
             raise ValueError("accountant already holds steps; pass an empty one (accountant.fresh())")

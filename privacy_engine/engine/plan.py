@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accountants import Accountant
 from privacy_engine.capture import GradSampleModule
+from privacy_engine.capture.manual import ManualGradSampleModule
 from privacy_engine.clipping import parameter_groups
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
 from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
 from privacy_engine.engine.limits import check_accounted_steps
@@ -33,16 +35,34 @@ from privacy_engine.engine.truncation import worst_group_size
 from privacy_engine.models.validation import UnsupportedModuleError, find_problems
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
 from privacy_engine.noise.secure_random import SecureGenerator
+from privacy_engine.settings_checks import check_unseeded_in_secure_mode
 from privacy_engine.training import distributed
 from privacy_engine.training.data_loader import DPDataLoader, loader_index_set
-from privacy_engine.training.optimizer import DPOptimizer, trainable_parameters
+from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.optimizer_arguments import check_wrapped_optimizer, trainable_parameters
 from privacy_engine.training.rewrap import plain_loader_for
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["BuildClasses", "Plan", "make_plan"]
 
 
 def _option(name: str) -> property:
     return property(lambda plan: getattr(plan.options, name), doc=f"``options.{name}``")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildClasses:
+    """The classes ``make_private`` instantiates: the private optimizer and the model wrapper of each
+    ``grad_sample_mode``. The defaults are the engine's; an API layer on top of the engine may name
+    subclasses of them that take the same constructor arguments (adding methods, not state), and
+    ``engine.build`` constructs those directly."""
+
+    optimizer: type[DPOptimizer] = DPOptimizer
+    #: "hooks", "functorch" and "ew".
+    hooks: type[GradSampleModule] = GradSampleModule
+    #: "ghost": fast clipping in the backward pass.
+    ghost: type[GhostClippingModule] = GhostClippingModule
+    #: "no_op": the loop sets ``p.grad_sample`` itself.
+    manual: type[ManualGradSampleModule] = ManualGradSampleModule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +80,8 @@ class Plan:
     noise_plan: NoisePlan
     #: This rank's part of a distributed (DDP) job; None for one process (privacy_engine.training.distributed).
     distributed: distributed.DistributedJob | None = None
+    #: The classes built from the plan (the engine's unless its caller names subclasses).
+    classes: BuildClasses = BuildClasses()
 
     # Read by name by distributed.plan_settings, which compares them across ranks.
     max_grad_norm = _option("max_grad_norm")
@@ -77,10 +99,8 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     Warns (``engine.calibration``) when ``target_delta >= 1/N`` and when a calibrated DP-SGD noise
     multiplier exceeds the expected batch size."""
     model, optimizer, data_loader = _check_objects(model, optimizer, data_loader)
-    if secure_mode and options.noise_seed is not None:
-        raise ValueError("noise_seed must be None with secure_mode=True (secure noise is seeded from the OS only)")
-    if secure_mode and options.noise_generator is not None:
-        raise ValueError("noise_generator must be None with secure_mode=True (secure noise is seeded from the OS only)")
+    check_unseeded_in_secure_mode("noise_seed", options.noise_seed, secure_mode=secure_mode)
+    check_unseeded_in_secure_mode("noise_generator", options.noise_generator, secure_mode=secure_mode)
     # A DDP-wrapped model is unwrapped (its inner module is hooked).
     model, job = distributed.unwrap(model, noise_seed=options.noise_seed, noise_generator=options.noise_generator,
                                     secure_mode=secure_mode)  # fmt: skip
@@ -124,16 +144,13 @@ def _check_objects(model: Any, optimizer: Any, data_loader: Any) -> tuple[nn.Mod
         raise TypeError(f"make_private needs {', '.join(missing)}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"module must be an nn.Module; got {type(model).__name__}")
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    check_wrapped_optimizer(optimizer)  # a first-order torch optimizer, as DPOptimizer checks it
     if isinstance(optimizer, DPOptimizer):
         raise TypeError("optimizer is already a DPOptimizer: pass the original optimizer")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("optimizer: LBFGS re-evaluates the loss within a step and cannot be made private; use SGD/Adam")
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader; got {type(data_loader).__name__}")
     if isinstance(data_loader, DPDataLoader):
-        # A loader an earlier make_private returned (Opacus scripts pass it again on a second run):
+        # A loader an earlier make_private returned (a script passes it again on a second run, as Opacus allows):
         # planned from the plain loader it stands for (same examples, expected batch size).
         data_loader = plain_loader_for(data_loader)
     return model, optimizer, data_loader
@@ -217,7 +234,7 @@ def _loader_shape(data_loader: DataLoader, options: PrivacyOptions) -> LoaderSha
 # ---------------------------------------------------------------------------------------------- the noise
 def _noise_seed(options: PrivacyOptions) -> int | None:
     if options.noise_generator is not None:
-        # Opacus seeds its noise from this generator; one draw from it seeds ours.
+        # One draw from the generator seeds the noise (Opacus draws its noise from the generator itself).
         return int(torch.randint(0, 2**62, (1,), generator=options.noise_generator).item())
     return options.noise_seed
 
@@ -233,12 +250,13 @@ def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Ac
             raise ValueError(f"noise_mechanism.secure_mode must match the engine's secure_mode={secure_mode}")
         if mechanism.step != 0:
             raise ValueError("noise_mechanism has already been used; pass a fresh one")
-        bands = int(getattr(mechanism, "num_bands", 1))
+        event = mechanism.privacy_event()  # as it states (one that states nothing is refused here)
+        bands = event.num_bands
         if bands > 1:
             check_num_bands(bands, shape)
         coefficients = getattr(mechanism, "coefficients", None)
         return NoiseChoice(
-            mechanism="custom", num_bands=bands, make_noise=lambda: mechanism, total_steps=None,
+            mechanism="custom", num_bands=bands, stated_event=event, make_noise=lambda: mechanism, total_steps=None,
             coefficients=None if coefficients is None else tuple(float(c) for c in coefficients),
             noise_multiplier=options.sigma,
         )  # fmt: skip
@@ -296,15 +314,15 @@ def _noise_plan(options: PrivacyOptions, shape: LoaderShape, choice: NoiseChoice
         group_size, noise_multiplier = worst_group_size(
             (group.numel() for group in private_loader.batch_sampler.groups), accountant=accountant,
             target=options.target, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
-            steps=calibrated_steps or choice.total_steps or len(private_loader), num_bands=choice.num_bands,
+            steps=calibrated_steps or choice.total_steps or len(private_loader), event=choice.event,
             max_batch_size=options.max_batch_size, delta=options.target_delta,
         )  # fmt: skip
     elif options.target is not None:
         noise_multiplier = calibrate(accountant, options.target, sample_rate, calibrated_steps,
-                                     num_bands=choice.num_bands, group_size=None, max_batch_size=None)  # fmt: skip
+                                     event=choice.event, group_size=None, max_batch_size=None)  # fmt: skip
     # Validates what the accountant will be given, recording nothing.
-    accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=choice.num_bands,
-                    group_size=group_size, max_batch_size=options.max_batch_size)  # fmt: skip
+    accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, group_size=group_size,
+                    max_batch_size=options.max_batch_size, **choice.event.step_kwargs())  # fmt: skip
     return NoisePlan(
         mechanism=choice.mechanism, num_bands=choice.num_bands, noise_multiplier=noise_multiplier,
         sample_rate=sample_rate, expected_batch_size=expected_batch_size, coefficients=choice.coefficients,

@@ -9,9 +9,8 @@ privacy ledger; ``engine.ledger``, ``engine.budget``). Checkpoints: ``engine.che
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
@@ -23,7 +22,7 @@ from privacy_engine.engine import checkpoint
 from privacy_engine.engine.budget import PrivacyBudget, step_kwargs_of
 from privacy_engine.engine.build import private_optimizer, wrap_model
 from privacy_engine.engine.noise_plan import NoisePlan
-from privacy_engine.engine.options import opacus_names, options_from, resolve_accountant, takes_settings
+from privacy_engine.engine.options import model_and_loader, options_from, resolve_accountant, takes_settings
 from privacy_engine.engine.plan import Plan, make_plan
 from privacy_engine.engine.typed_settings import MakePrivateSettings, MakePrivateWithEpsilonSettings
 from privacy_engine.training.optimizer import DPOptimizer
@@ -33,34 +32,16 @@ __all__ = ["PrivacyEngine"]
 #: What the engine's ``make_private`` and ``make_private_with_epsilon`` return, in every mode.
 Private = tuple[nn.Module, DPOptimizer, DataLoader]
 
-# Opacus's ghost-mode criterion: a setting of the Opacus namespace only (see ``_refuse_criterion``).
-_OPACUS_ONLY = ("criterion",)
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _engine_settings(entry_point: str) -> Callable[[_Method], _Method]:
-    """``takes_settings(entry_point)`` without the Opacus-only settings in the runtime signature."""
-
-    def decorate(method: _Method) -> _Method:
-        method = takes_settings(entry_point)(method)
-        signature = inspect.signature(method)
-        kept = [p for p in signature.parameters.values() if p.name not in _OPACUS_ONLY]
-        method.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
-        return method
-
-    return decorate
-
 
 def _refuse_criterion(entry_point: str, settings: Mapping[str, Any]) -> None:
-    """TypeError when the engine's ``entry_point`` is given Opacus's ``criterion``: the engine returns
-    ``(module, optimizer, data_loader)`` in every mode, so there is no criterion to hand back."""
+    """TypeError when ``entry_point`` is given ``criterion=``: the engine returns ``(module, optimizer,
+    data_loader)`` in every mode and the loss function needs no wrapper, so there is no criterion to
+    take or hand back. Kept as its own error, rather than the unknown-keyword one, because a script
+    written for Opacus passes it (Opacus's ghost mode wraps the criterion and returns it fourth)."""
     if "criterion" in settings:
         raise TypeError(
             f"{entry_point}() takes no criterion: PrivacyEngine returns (module, optimizer, data_loader) in every "
-            f"grad_sample_mode, ghost included, and your loss function works unchanged; use it as it is. "
-            f"(privacy_engine.opacus.PrivacyEngine takes criterion= and returns (module, optimizer, criterion, "
-            f"data_loader) in ghost mode, as Opacus does.)"
+            f"grad_sample_mode, ghost included, and your loss function works unchanged; use it as it is."
         )
 
 
@@ -77,7 +58,7 @@ class PrivacyEngine:
 
     Args:
         accountant: ``"pld"`` (dp-accounting's privacy-loss-distribution accountant, tight) or
-            ``"rdp"`` (Renyi DP, an upper bound); Opacus's ``"prv"`` is read as ``"pld"``. Or an
+            ``"rdp"`` (Renyi DP, an upper bound); ``"prv"`` (Opacus's default name) is read as ``"pld"``. Or an
             empty ``accountants.Accountant`` with your settings, e.g.
             ``make_accountant("pld", value_discretization_interval=1e-3)`` (10x faster epsilon,
             slightly more pessimistic).
@@ -109,16 +90,16 @@ class PrivacyEngine:
         return None if self.noise_plan is None else self.noise_plan.num_bands
 
     # ------------------------------------------------------------------ making things private
-    @_engine_settings("make_private")
+    @takes_settings("make_private")
     def make_private(self, model: nn.Module | None = None, optimizer: Optimizer | None = None,
                      loader: DataLoader | None = None, *, module: nn.Module | None = None,
                      data_loader: DataLoader | None = None,
                      **settings: Unpack[MakePrivateSettings]) -> Private:  # fmt: skip
         """Wrap ``model``, ``optimizer`` (``DPOptimizer``) and ``loader`` (``DPDataLoader``: Poisson
         sampling, or cyclic Poisson sampling for BandMF) for private training, and record every step
-        with this engine's accountant. ``module`` and ``data_loader`` are Opacus's names for
-        ``model`` and ``loader``; ``settings`` are the fields of ``PrivacyOptions`` (``noise_multiplier``
-        and ``max_grad_norm`` required), documented there, except Opacus's ``criterion``.
+        with this engine's accountant. ``module`` and ``data_loader`` name ``model`` and ``loader`` too
+        (the keywords Opacus uses); ``settings`` are the fields of ``PrivacyOptions``
+        (``noise_multiplier`` and ``max_grad_norm`` required), documented there.
 
         Returns ``(module, optimizer, data_loader)``, three objects in every ``grad_sample_mode``, so a
         script switches modes by changing that one keyword:
@@ -135,8 +116,8 @@ class PrivacyEngine:
 
         ``optimizer`` is the private optimizer (a ``DPOptimizer`` wrapping yours) and ``data_loader``
         the private loader (a ``DPDataLoader``; with ``poisson_sampling=False``, the loader given).
-        Ghost mode needs no special criterion: compute the loss as usual. Opacus's four-value ghost
-        mode ``(module, optimizer, criterion, data_loader)`` is ``privacy_engine.opacus.PrivacyEngine``'s.
+        Ghost mode needs no special criterion: compute the loss as usual (unlike Opacus, whose ghost
+        mode returns ``(module, optimizer, criterion, data_loader)`` with a wrapped criterion).
 
         Guarantee: every argument is checked before anything is wrapped; on any error the model,
         optimizer and loader are left exactly as they were. After the call, each
@@ -178,14 +159,14 @@ class PrivacyEngine:
         max_epsilon < 0 / NaN; target_delta not in  ValueError naming it
         (0, 1)
         grad_scaler not a torch.amp.GradScaler      TypeError naming grad_scaler
-        criterion= (Opacus's ghost-mode keyword)    TypeError: use the Opacus namespace or drop it
+        criterion= (as Opacus's ghost mode takes)   TypeError: the loss works unchanged, drop it
         ==========================================  =============================================
         """
         _refuse_criterion("make_private", settings)
-        objects, opacus_objects = (model, optimizer, loader), (module, data_loader)
-        return self._make_private("make_private", objects, opacus_objects, settings)
+        model, loader = model_and_loader(model, module, loader, data_loader)
+        return self._make_private("make_private", model, optimizer, loader, settings)
 
-    @_engine_settings("make_private_with_epsilon")
+    @takes_settings("make_private_with_epsilon")
     def make_private_with_epsilon(self, model: nn.Module | None = None, optimizer: Optimizer | None = None,
                                   loader: DataLoader | None = None, *, module: nn.Module | None = None,
                                   data_loader: DataLoader | None = None,
@@ -229,16 +210,14 @@ class PrivacyEngine:
         ==================================  ======================================
         """
         _refuse_criterion("make_private_with_epsilon", settings)
-        objects, opacus_objects = (model, optimizer, loader), (module, data_loader)
-        return self._make_private("make_private_with_epsilon", objects, opacus_objects, settings)
+        model, loader = model_and_loader(model, module, loader, data_loader)
+        return self._make_private("make_private_with_epsilon", model, optimizer, loader, settings)
 
-    def _make_private(self, entry_point: str, objects: tuple, opacus_objects: tuple,
+    def _make_private(self, entry_point: str, model: nn.Module, optimizer: Optimizer, loader: DataLoader,
                       settings: Mapping[str, Any]) -> Private:  # fmt: skip
-        """options -> plan -> build, for either entry point (and either namespace: Opacus's
-        ``criterion`` is accepted here, and read by ``privacy_engine.opacus.PrivacyEngine``)."""
+        """options -> plan -> build, for either entry point (``settings``: ``PrivacyOptions``' fields;
+        a subclass calls it with the objects and settings its own signature took)."""
         options = options_from(entry_point, dict(settings))
-        (model, optimizer, loader), (module, data_loader) = objects, opacus_objects
-        model, loader = opacus_names(model, module, loader, data_loader)
         plan = make_plan(options, model=model, optimizer=optimizer, data_loader=loader, accountant=self.accountant,
                          secure_mode=self.secure_mode)  # fmt: skip
         return self._build(plan, options.budget())
@@ -250,7 +229,8 @@ class PrivacyEngine:
                                       source=source)  # fmt: skip
         self._optimizers_made += 1
         self.noise_plan, self.budget, self._last_optimizer = plan.noise_plan, budget, optimizer
-        # Wrapped last: its constructor hooks the model, and nothing after it can fail.
+        # Wrapped last (its constructor hooks the model), then connected to this optimizer and loader only
+        # (engine.build.wrap_model calls connect_private; it unwraps the model again if that refuses).
         return wrap_model(plan, optimizer)
 
     # ------------------------------------------------------------------ the ledger
@@ -338,7 +318,7 @@ class PrivacyEngine:
         module_state_dict_kwargs: dict[str, Any] | None = None,
         torch_save_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """Save everything a run needs to resume exactly to ``path`` (Opacus's name and keywords,
+        """Save everything a run needs to resume exactly to ``path`` (the name and keywords Opacus uses,
         plus ``data_loader``): the model, the optimizer with its DP state (noise mechanism:
         generators, BandMF history and ring position; clipper; counters), the engine's ledger,
         ``secure_mode`` and ``noise_plan``, the private loader's sampling state (generator,
@@ -379,8 +359,8 @@ class PrivacyEngine:
         module_load_dict_kwargs: dict[str, Any] | None = None,
         torch_load_kwargs: dict[str, Any] | None = None,
     ) -> dict:
-        """Restore what ``save_checkpoint`` wrote into the objects given (Opacus's name and
-        keywords, plus ``data_loader``); returns the checkpoint dict (``checkpoint_dict``'s entries
+        """Restore what ``save_checkpoint`` wrote into the objects given (the name and keywords Opacus
+        uses, plus ``data_loader``); returns the checkpoint dict (``checkpoint_dict``'s entries
         included).
 
         Guarantee: the file is verified (header, SHA-256) before anything is unpickled, and

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from accountants import Accountant
+from accountants.events import EventSpec
 from privacy_engine.engine.calibration import calibrate
 
 __all__ = ["DEFAULT_CHOICE_DELTA", "worst_group_size"]
@@ -30,7 +31,7 @@ DEFAULT_CHOICE_DELTA = 1e-5
 
 def worst_group_size(
     sizes: Iterable[int], *, accountant: Accountant, target: tuple[float, float] | None, noise_multiplier: float,
-    sample_rate: float, steps: int, num_bands: int, max_batch_size: int, delta: float | None,
+    sample_rate: float, steps: int, event: EventSpec, max_batch_size: int, delta: float | None,
 ) -> tuple[int, float]:  # fmt: skip
     """``(group_size, noise_multiplier)`` to account every step with, over the realised group ``sizes``.
 
@@ -61,7 +62,7 @@ def worst_group_size(
     distinct = sorted(realised | {size + 1 for size in realised})
     if target is not None:
         sigmas = {
-            size: calibrate(accountant, target, sample_rate, steps, num_bands=num_bands, group_size=size,
+            size: calibrate(accountant, target, sample_rate, steps, event=event, group_size=size,
                             max_batch_size=max_batch_size)
             for size in distinct
         }
@@ -70,8 +71,8 @@ def worst_group_size(
     choice_delta = DEFAULT_CHOICE_DELTA if delta is None else delta
     epsilons = {
         size: accountant.fresh().epsilon_if(choice_delta, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
-                                            num_steps=steps, num_bands=num_bands, group_size=size,
-                                            max_batch_size=max_batch_size)
+                                            num_steps=steps, group_size=size, max_batch_size=max_batch_size,
+                                            **event.step_kwargs())
         for size in distinct
     }
     return max(distinct, key=lambda size: (epsilons[size], size)), noise_multiplier

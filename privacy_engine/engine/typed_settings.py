@@ -7,15 +7,11 @@ code: it reads ``**settings: Unpack[MakePrivateSettings]`` (PEP 692) instead, so
 keyword, its type and whether it is required, and flags a misspelt one. The lists below repeat
 ``PrivacyOptions``' fields once per entry point; ``tests/test_public_typing.py`` fails when they and
 the dataclass (or ``ENTRY_POINTS``' required and refused settings) disagree.
-
-The engine's entry points do not take ``criterion`` (it is Opacus's ghost-mode return value, which
-only ``privacy_engine.opacus.PrivacyEngine`` gives back); the Opacus namespace's settings add it.
 """
 
 # No ``from __future__ import annotations`` here: the classes are built from evaluated annotations,
 # so that ``__required_keys__`` sees ``NotRequired`` (the test compares it with PrivacyOptions).
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from typing_extensions import NotRequired, TypedDict
@@ -25,13 +21,21 @@ from privacy_engine.noise import NoiseMechanism
 __all__ = [
     "MakePrivateSettings",
     "MakePrivateWithEpsilonSettings",
-    "OpacusMakePrivateSettings",
-    "OpacusMakePrivateWithEpsilonSettings",
+    "PerformanceSettings",
 ]
 
 
-class _OptionalSettings(TypedDict, total=False):
-    """The settings both entry points take and neither requires (defaults: ``PrivacyOptions``)."""
+class PerformanceSettings(TypedDict, total=False):
+    """The settings that cannot affect privacy (``PerformanceFlags``): how the clipped sum is
+    computed, never the bound, the noise, the sampling or what is accounted."""
+
+    grad_sample_mode: str
+    grad_scaler: torch.amp.GradScaler | None
+
+
+class _OptionalSettings(PerformanceSettings, total=False):
+    """The settings both entry points take and neither requires (defaults: ``PrivacyOptions``):
+    those that decide the privacy guarantee, and the performance settings."""
 
     max_epsilon: float | None
     poisson_sampling: bool
@@ -40,7 +44,6 @@ class _OptionalSettings(TypedDict, total=False):
     batch_first: bool
     noise_seed: int | None
     noise_generator: torch.Generator | None
-    grad_sample_mode: str
     noise_mechanism: str | NoiseMechanism
     num_bands: int | None
     bandmf_coefficients: Sequence[float] | None
@@ -48,7 +51,6 @@ class _OptionalSettings(TypedDict, total=False):
     max_batch_size: int | None
     nan_safe: bool
     rescale_to_unit_norm: bool
-    grad_scaler: torch.amp.GradScaler | None
 
 
 class MakePrivateSettings(_OptionalSettings):
@@ -68,15 +70,3 @@ class MakePrivateWithEpsilonSettings(_OptionalSettings):
     epochs: int
     max_grad_norm: float | Sequence[float]
 
-
-class OpacusMakePrivateSettings(MakePrivateSettings):
-    """``privacy_engine.opacus.PrivacyEngine.make_private``'s settings: the engine's and ``criterion``."""
-
-    criterion: NotRequired[Any]
-
-
-class OpacusMakePrivateWithEpsilonSettings(MakePrivateWithEpsilonSettings):
-    """``privacy_engine.opacus.PrivacyEngine.make_private_with_epsilon``'s settings: the engine's and
-    ``criterion``."""
-
-    criterion: NotRequired[Any]

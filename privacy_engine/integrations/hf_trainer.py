@@ -62,6 +62,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from privacy_engine.engine import PrivacyEngine
 from privacy_engine.noise.secure_random import full_entropy_generator
+from privacy_engine.settings_checks import check_noise_seed
 
 __all__ = ["DPTrainer"]
 
@@ -155,10 +156,7 @@ class DPTrainer(transformers.Trainer):
             raise ValueError("DPTrainer needs exactly one of noise_multiplier and target_epsilon")
         if privacy_engine is not None and not isinstance(privacy_engine, PrivacyEngine):
             raise TypeError(f"privacy_engine must be a PrivacyEngine; got {type(privacy_engine).__name__}")
-        if noise_seed is not None and (
-            isinstance(noise_seed, bool) or not isinstance(noise_seed, int) or noise_seed < 0
-        ):
-            raise ValueError(f"DPTrainer: noise_seed must be an int >= 0 or None (OS entropy); got {noise_seed!r}")
+        check_noise_seed(noise_seed)  # None: OS entropy (see _seeding)
         if noise_seed is not None and {"noise_seed", "noise_generator"} & set(private_options or {}):
             raise ValueError("DPTrainer: give noise_seed either as an argument or in private_options, not both")
         if noise_seed is not None and privacy_engine is not None and privacy_engine.secure_mode:
@@ -232,8 +230,9 @@ class DPTrainer(transformers.Trainer):
             )
         else:
             result = self.privacy_engine.make_private(noise_multiplier=self.noise_multiplier, **options)
-        # Three values in every mode; an Opacus-namespace engine (a subclass) adds the criterion in ghost mode.
-        self.private_model, self.optimizer, *_criterion, self._private_loader = result
+        # Three values in every mode; a PrivacyEngine subclass may return more between the optimizer and the
+        # loader (as Opacus's ghost mode returns its criterion there): the trainer keeps its own loss.
+        self.private_model, self.optimizer, *_extra, self._private_loader = result
 
     def _seeding(self) -> dict[str, Any]:
         """The seeding make_private gets on top of ``private_options``; logs where the noise comes from."""
@@ -274,11 +273,14 @@ class DPTrainer(transformers.Trainer):
         return self._private_loader
 
     def create_optimizer(self, model=None):
+        """The ``DPOptimizer`` once the private loader is built, else Trainer's own optimizer."""
         if self._private_loader is not None:
             return self.optimizer  # the DPOptimizer built with the private loader
         return super().create_optimizer(model)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """Trainer's ``train``; ``resume_from_checkpoint`` raises ``ValueError``: a Trainer checkpoint
+        holds no accountant history, so a resume would forget the privacy already spent."""
         if resume_from_checkpoint:
             raise ValueError(
                 "DPTrainer cannot resume from a Trainer checkpoint: it holds no accountant history, so the "
@@ -289,6 +291,9 @@ class DPTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ one step
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """One forward and backward through the private wrapper. ``num_items_in_batch`` is ignored (each
+        example's loss must not depend on the others' lengths); an empty Poisson batch runs nothing and
+        returns a zero loss (the optimizer step still releases noise, as accounted)."""
         if _num_examples(inputs) == 0:
             # An empty Poisson batch: nothing to run (HF models cannot take zero examples); the optimizer
             # step that follows releases noise only, as the accounting assumes.
@@ -299,6 +304,7 @@ class DPTrainer(transformers.Trainer):
         return super().training_step(model, inputs, None)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """Trainer's loss; training forwards run through the private wrapper, per example."""
         # Training forwards go through the wrapper (per-sample gradients, per-example losses, batch
         # bookkeeping); evaluation forwards (no gradient) through the model Trainer passes.
         if self.private_model is not None and torch.is_grad_enabled() and model.training:
@@ -315,6 +321,7 @@ class DPTrainer(transformers.Trainer):
         return self.privacy_engine.get_epsilon(self.target_delta if delta is None else delta)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's ``log``, with ``epsilon`` (at ``target_delta``) added once training is private."""
         if self._private_loader is not None:
             logs["epsilon"] = self.get_epsilon()
         super().log(logs, start_time)

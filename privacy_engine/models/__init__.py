@@ -5,6 +5,5 @@ file               what it holds
 =================  ====================================================================
 ``validation.py``  what stands in the way (``UnsupportedModuleError``, ``find_problems``)
 ``fixer.py``       ``fix_module`` / ``ModuleValidator``: replace what can be replaced
-``recurrent.py``   ``DPLSTM``, ``DPGRU``, ``DPRNN``: torch's layers under Opacus's names
 =================  ====================================================================
 """

@@ -18,8 +18,8 @@ a module a registered validator rejects) is listed in the report; nothing is cha
 fixed model changes nothing (idempotent).
 
 ``ModuleValidator`` (``validate``, ``is_valid``, ``fix``, ``fix_and_validate``), the decorators
-``register_module_validator``/``register_module_fixer`` and the error classes have Opacus 1.6's names
-and signatures (``privacy_engine.opacus.validators`` serves them under Opacus's module names).
+``register_module_validator``/``register_module_fixer`` and the error classes take the same names and
+signatures as Opacus 1.6's, so a script's validator or fixer plugin registers here unchanged.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------- errors (Opacus's classes)
+# ---------------------------------------------------------------------------------- error classes (one per Problem.kind)
 class UnsupportableModuleError(UnsupportedModuleError):
     """A module whose per-sample gradients cannot exist (it mixes examples, or renormalises in place)."""
 
@@ -325,7 +325,7 @@ def _remaining_problems(model: nn.Module) -> list[str]:
     return problems
 
 
-# ---------------------------------------------------------------------------------- ModuleValidator (Opacus)
+# ---------------------------------------------------------------------------------- ModuleValidator
 def _with_path(error: Exception, path: str) -> Exception:
     """``error`` with the module's path in front of its message (where its class allows)."""
     message = str(error)
@@ -343,7 +343,8 @@ def _error_for(problem: Problem) -> UnsupportedModuleError:
 
 
 class ModuleValidator:
-    """Opacus's ``ModuleValidator``: check and fix a model for private training.
+    """Check and fix a model for private training (the same methods and registries as Opacus's
+    ``ModuleValidator``).
 
     ``VALIDATORS`` and ``FIXERS`` hold what ``register_module_validator``/``register_module_fixer``
     registered (by exact type). The built-in checks (``validation.module_problems``) apply to every module
@@ -416,7 +417,7 @@ def _registrar(table_name: str, decorator: str):
 
 register_module_validator = _registrar("VALIDATORS", "register_module_validator")
 register_module_validator.__doc__ = """Register the decorated ``validate(module) -> list[UnsupportedModuleError]`` for
-these module classes (exact types; replaces the built-in checks for them). Opacus's signature."""
+these module classes (exact types; replaces the built-in checks for them). Same signature as Opacus's."""
 register_module_fixer = _registrar("FIXERS", "register_module_fixer")
 register_module_fixer.__doc__ = """Register the decorated ``fix(module, **kwargs) -> nn.Module`` for these module
-classes (exact types; replaces the built-in fix for them). Opacus's signature."""
+classes (exact types; replaces the built-in fix for them). Same signature as Opacus's."""

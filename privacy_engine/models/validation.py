@@ -45,6 +45,7 @@ def submodule_label(root: nn.Module, path: str | None) -> str:
 
 
 def batchnorm_problem(path: str, module: nn.Module) -> str:
+    """The message for a batch-norm layer in training mode at ``path``, naming the replacement."""
     return (
         f"{module_label(path)} is {type(module).__name__} in training mode: its output mixes the examples "
         f"of a batch, so a per-example gradient is undefined. Replace it with "
@@ -57,7 +58,7 @@ def batchnorm_problem(path: str, module: nn.Module) -> str:
 class Problem:
     """One reason a module cannot be trained privately as it is.
 
-    ``kind`` (Opacus's error classes): ``"replace"`` (replace the module: ``fix_module`` does),
+    ``kind`` (one error class each, as Opacus has): ``"replace"`` (replace the module: ``fix_module`` does),
     ``"configuration"`` (a setting to change: ``fix_module`` does where that keeps the model's meaning),
     ``"unsupportable"`` (no per-sample gradient exists), ``"not_yet_supported"``. ``blocking``: wrapping
     refuses the model (False: it trains, but something about it is not private, see the message).

@@ -15,6 +15,14 @@ Where things are:
 * ``strategy.py``: BandMF's banded Toeplitz strategies: their error and the optimiser that picks them.
 * ``prefetch.py``: the background thread that draws the next step's noise while the step runs.
 * ``secure_random.py``: OS randomness for ``secure_mode`` (full-entropy generators and choices).
+
+Each mechanism states its privacy event (``privacy_event()``, an ``accountants.events.EventSpec``: an
+event kind, the cyclic sampling it needs and the kind's parameters; ``dp_event(...)`` builds the
+dp-accounting event from it). The accountant records and composes exactly that. A new mechanism (BLT
+next) is one new file here: a ``NoiseMechanism`` subclass with its noise, its per-step state through the
+base class's hooks, and its ``privacy_event``; if its analysis is not an existing kind, the event builder
+registered in the same file (``accountants.events.register_event_kind``). Then its export below (and its
+name in the engine's ``noise_mechanism`` choices, to select it by name).
 """
 
 from privacy_engine.noise.bandmf import BandMFNoise

@@ -17,16 +17,28 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from accountants.events import EventSpec
 from privacy_engine.noise.layout import _DeviceGroup
 from privacy_engine.noise.mechanism import NoiseMechanism
 from privacy_engine.noise.strategy import validated_coefficients
 
 __all__ = ["BandMFNoise"]
+
+
+@dataclass(eq=False)
+class _BandMFBuffers:
+    """BandMF's per-device buffers besides its history (``_DeviceGroup.mechanism_buffers``)."""
+
+    #: Row p: the coefficients c_1..c_{b-1} rotated for ring position p (see ``_make_ring_weights``).
+    ring_weights: torch.Tensor
+    #: The history row the commit in progress overwrote (reused across steps).
+    undo_row: torch.Tensor | None = None
 
 
 class BandMFNoise(NoiseMechanism):
@@ -138,16 +150,42 @@ class BandMFNoise(NoiseMechanism):
                 "number of steps"
             )
 
-    def _next_counters(self) -> tuple[float, int]:
+    def privacy_event(self) -> EventSpec:
+        """The Gaussian mechanism on every participation, with cyclic Poisson sampling over
+        ``num_bands`` groups (``accountants.events.gaussian_event``): the noise is scaled by the
+        strategy's sensitivity ``||c||_2``, so each participation changes ``C G`` by at most
+        ``max_grad_norm * ||c||_2`` and is hidden by noise multiplier ``noise_multiplier``; an
+        example takes part in at most ceil(steps / b) steps. Column normalisation keeps the
+        sensitivity, so it states the same event."""
+        return EventSpec(num_bands=self.num_bands)
+
+    def restart_layout(self) -> None:
+        """As ``NoiseMechanism.restart_layout``; the noise correlation restarts too (history and ring
+        position). The strategy becomes block-diagonal, still b-banded with column norms at most
+        ``||c||_2``, so the same accounting holds (each participation still touches at most b rows
+        with that norm); only the noise cancellation across the restart is lost."""
+        super().restart_layout()
+        self._ring_position = 0
+
+    def _advance(self) -> Callable[[], None]:
         fixed_scale = self._this_step_scale if self._fixed_scale is None else self._fixed_scale
         position = (self._ring_position + 1) % (self.num_bands - 1) if self.num_bands > 1 else self._ring_position
-        return fixed_scale, position
 
-    def _set_counters(self, counters: tuple[float, int]) -> None:
-        self._fixed_scale, self._ring_position = counters
+        def advance() -> None:
+            self._fixed_scale, self._ring_position = fixed_scale, position
+
+        return advance
 
     def _history_rows(self) -> int:
         return self.num_bands - 1
+
+    def _buffers(self, group: _DeviceGroup) -> _BandMFBuffers:
+        if group.mechanism_buffers is None:
+            group.mechanism_buffers = _BandMFBuffers(ring_weights=self._make_ring_weights(group.dtype, group.device))
+        return group.mechanism_buffers
+
+    def _ring_weights(self, group: _DeviceGroup) -> torch.Tensor | None:
+        return self._buffers(group).ring_weights if self.num_bands > 1 else None
 
     def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Ring slot (p - j) mod (b - 1) holds x_{t-j} when the next write goes to slot p, so the
@@ -164,7 +202,7 @@ class BandMFNoise(NoiseMechanism):
         if group.formed_ahead:
             group.formed_ahead = False  # formed in the background from this very state (_form_ahead)
         else:
-            self._form_into(group.noise, group.history, group.ring_weights, self._ring_position)
+            self._form_into(group.noise, group.history, self._ring_weights(group), self._ring_position)
         return self._row_scale(self._step)
 
     def _form_into(
@@ -182,7 +220,7 @@ class BandMFNoise(NoiseMechanism):
         # The history and ring position are those of the next step once this step is committed; the same
         # gemv on the same data gives the same bits on any thread.
         form = functools.partial(
-            self._form_into, history=group.history, ring_weights=group.ring_weights, position=self._ring_position
+            self._form_into, history=group.history, ring_weights=self._ring_weights(group), position=self._ring_position
         )
         return form, self._form_ahead_key(group)
 
@@ -197,9 +235,10 @@ class BandMFNoise(NoiseMechanism):
         if self.num_bands == 1:
             return super()._commit_noise(group)
         row = group.history[self._ring_position]
-        if group.undo_row is None:
-            group.undo_row = torch.empty_like(row)
-        overwritten = group.undo_row
+        buffers = self._buffers(group)
+        if buffers.undo_row is None:
+            buffers.undo_row = torch.empty_like(row)
+        overwritten = buffers.undo_row
         overwritten.copy_(row)
         try:
             row.copy_(group.noise)

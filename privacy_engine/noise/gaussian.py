@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from accountants.events import EventSpec
 from privacy_engine.noise.mechanism import NoiseMechanism
 
 __all__ = ["GaussianNoise"]
@@ -33,6 +34,11 @@ class GaussianNoise(NoiseMechanism):
         ========================  =====================
         """
         return self._validated_noise_scale(noise_multiplier, max_grad_norm)
+
+    def privacy_event(self) -> EventSpec:
+        """DP-SGD's event (``accountants.events.gaussian_event`` with one band): each step is the
+        Gaussian mechanism with noise multiplier ``noise_multiplier`` on a sampled batch."""
+        return EventSpec()
 
     def __repr__(self) -> str:
         return f"GaussianNoise(secure_mode={self.secure_mode}, step={self.step})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,9 +64,8 @@ class _DeviceGroup:
     generators: list[torch.Generator]
     noise: torch.Tensor | None = None  # this step's flat noise, shape (numel,)
     secure_scratch: torch.Tensor | None = None
-    history: torch.Tensor | None = None  # BandMF ring buffer, shape (b - 1, numel)
-    ring_weights: torch.Tensor | None = None  # row p: coefficients rotated for ring position p
-    undo_row: torch.Tensor | None = None  # BandMF: the history row the commit in progress overwrote
+    history: torch.Tensor | None = None  # past noise rows the mechanism keeps, shape (rows, numel), saved
+    mechanism_buffers: Any = None  # the mechanism's other per-device buffers, of a type it declares
     noise_views: list[torch.Tensor] = field(default_factory=list)
     # The next step's draw, made ahead on a background thread (privacy_engine.noise.prefetch): its buffer,
     # views of it, secure-mode scratch, and the copies of the generators it is drawn from.
@@ -73,4 +73,4 @@ class _DeviceGroup:
     next_views: list[torch.Tensor] = field(default_factory=list)
     next_scratch: torch.Tensor | None = None
     shadow_generators: list[torch.Generator] = field(default_factory=list)
-    formed_ahead: bool = False  # group.noise already holds this step's formed noise (BandMF, drawn ahead)
+    formed_ahead: bool = False  # group.noise already holds this step's formed noise (drawn and formed ahead)

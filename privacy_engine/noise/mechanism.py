@@ -17,9 +17,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
+import dp_accounting
 import torch
 
+from accountants.events import EventSpec, Sampling
 from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import prefetch as noise_prefetch
 from privacy_engine.noise.layout import (
@@ -31,6 +32,13 @@ from privacy_engine.noise.layout import (
 )
 from privacy_engine.noise.secure_random import full_entropy_generator
 from privacy_engine.noise.state import NoiseStateMixin
+from privacy_engine.settings_checks import (
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_noise_seed,
+    check_noise_std,
+    check_unseeded_in_secure_mode,
+)
 
 __all__ = ["NoiseMechanism"]
 
@@ -39,7 +47,7 @@ def _commit_point(name: str) -> None:
     """Marks a point inside a step's commit; does nothing. Tests replace it to raise there."""
 
 
-def _nothing_to_undo() -> None:
+def _nothing_to_do() -> None:
     pass
 
 
@@ -47,8 +55,11 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     """Adds privacy noise to the clipped gradient sums, one step at a time.
 
     Subclasses define the noise (``noise_std`` and how this step's noise is formed from fresh
-    Gaussian draws); this base class owns validation, per-device generators, the flat layout of
-    the tensors, and checkpointing (``NoiseStateMixin``, in ``state.py``).
+    Gaussian draws) and state its privacy event (``privacy_event``: what the accountant records and
+    composes; a subclass that states none is refused before it adds any noise); this base class owns
+    validation, per-device generators, the flat layout of the tensors, and checkpointing
+    (``NoiseStateMixin``, in ``state.py``). It knows no particular mechanism: one that keeps state
+    across steps (BandMF's history and ring) uses the neutral hooks below.
 
     Secure mode. What it promises: no seed search recovers the noise. Each device's four
     generators get their state straight from the OS (``secure_random.full_entropy_generator``:
@@ -85,16 +96,8 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     """
 
     def __init__(self, *, seed: int | None = None, secure_mode: bool = False, prefetch: bool | None = None) -> None:
-        if secure_mode and seed is not None:
-            raise ValueError(
-                "seed must be None when secure_mode=True: secure mode draws its seeds from OS "
-                "entropy so that nobody can reproduce the noise. Drop `seed`, or set "
-                "secure_mode=False for a reproducible (not secure) run."
-            )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if seed is not None and seed < 0:
-            raise ValueError(f"seed must be non-negative, got {seed}")
+        check_unseeded_in_secure_mode("seed", seed, secure_mode=secure_mode)
+        check_noise_seed(seed, name="seed")
         if prefetch is not None and not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
         self.prefetch = prefetch
@@ -119,22 +122,18 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
 
     # ------------------------------------------------------------------ public interface
     def restart_layout(self) -> None:
-        """Forget the layout (and BandMF's noise history): the next ``add_noise_`` lays the noise out
-        over the tensors it is given, e.g. after parameters were unfrozen.
+        """Forget the layout (and any history of past noise): the next ``add_noise_`` lays the noise
+        out over the tensors it is given, e.g. after parameters were unfrozen.
 
         Guarantee: the step count and the seeded stream continue (the new generators are derived
-        from the seed and the number of restarts, so no noise value is drawn twice). For BandMF the
-        correlation restarts: the strategy becomes block-diagonal, still b-banded with column norms
-        at most ``||c||_2``, so the same accounting holds (each participation still touches at most
-        b rows with that norm); only the noise cancellation across the restart is lost.
+        from the seed and the number of restarts, so no noise value is drawn twice). A mechanism
+        with correlated noise restarts its correlation (see ``BandMFNoise.restart_layout``).
         """
         self._layout_restarts += 1
         self._signature = None
         self._wait_for_draws_ahead()
         self._draws_ahead = {}
         self._groups = []
-        if hasattr(self, "_ring_position"):
-            self._ring_position = 0
 
     @property
     def step(self) -> int:
@@ -144,6 +143,31 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     @abc.abstractmethod
     def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
         """Standard deviation ``s`` of the fresh Gaussian draws ``z_t`` (see subclasses)."""
+
+    # ------------------------------------------------------------------ what the mechanism states
+    def privacy_event(self) -> EventSpec:
+        """This mechanism's privacy event as plain data (``accountants.events.EventSpec``): a registered
+        event kind, the cyclic sampling it needs (``num_bands``) and the kind's parameters. The accountant
+        records exactly this and composes the kind's builder's event; nothing is inferred from the type.
+        The base class states none: a subclass that does not override this is refused (``TypeError``
+        naming it and what to implement) by ``DPOptimizer`` / ``make_private`` before anything is
+        released or counted. A new analysis: register its builder in the mechanism's own module."""
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} does not state its privacy event, so no accountant can account for it (it is not taken "
+            f"for DP-SGD). Implement {name}.privacy_event(self) -> accountants.events.EventSpec: "
+            "EventSpec() if every step adds fresh iid N(0, (noise_multiplier * max_grad_norm)^2) noise to every "
+            "entry (DP-SGD's event), otherwise EventSpec(kind=...) naming an event builder registered with "
+            "accountants.events.register_event_kind that returns the dp_accounting DpEvent of its steps. "
+            "Nothing was released or counted."
+        )
+
+    def dp_event(self, *, noise_multiplier: float, sampling: Sampling, steps: int = 1) -> dp_accounting.DpEvent:
+        """The dp-accounting event of ``steps`` steps of this mechanism at ``noise_multiplier``, with
+        batches drawn as ``sampling`` says: the builder of ``privacy_event()``'s kind
+        (``accountants.events.build_event``), the very event an accountant composes for these steps.
+        Raises what ``privacy_event`` raises for a mechanism that states none."""
+        return self.privacy_event().dp_event(noise_multiplier=noise_multiplier, sampling=sampling, steps=steps)
 
     def add_noise_(
         self,
@@ -165,10 +189,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         by one per successful call, and a call rejected by validation changes nothing.
 
         Transactional, all or nothing against any exception: the noise is drawn and formed in
-        scratch buffers and added to ``tensors``; only then is the step committed (the BandMF
-        history row, ``on_commit()``, then the ring position and step index). Guarantee: when
+        scratch buffers and added to ``tensors``; only then is the step committed (the history
+        rows, ``on_commit()``, then the mechanism's counters and step index). Guarantee: when
         ``add_noise_`` returns or raises, either the step happened whole (noise state advanced,
-        ``on_commit`` returned) or not at all (generators, history, ring position and step index
+        ``on_commit`` returned) or not at all (generators, history, counters and step index
         exactly as before the call, and ``on_commit`` either not called or raised). Exceptions
         raised inside the commit (``on_commit``'s included) undo it; signal handlers (SIGINT's
         ``KeyboardInterrupt``, a SIGTERM handler's ``SystemExit``, a SIGALRM handler's
@@ -240,7 +264,7 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 for group in self._groups:
                     undo.append(self._commit_noise(group))
                     _commit_point("history_written")
-            counters = self._next_counters()
+            advance = self._advance()
             _commit_point("counters_computed")
             if on_commit is not None:
                 on_commit()
@@ -249,18 +273,18 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 undo_row()
             raise
         # Nothing below can raise: the step is recorded, so the state must follow it.
-        self._set_counters(counters)
+        advance()
         self._step += 1
 
     # ------------------------------------------------------------------ subclass hooks
-    # ------------------------------------------------------------------ subclass hooks
-    def _next_counters(self) -> Any:
-        """This step's per-step counters after the step (BandMF: ring position), computed without
-        changing anything; ``_set_counters`` assigns them once the step is recorded and must not raise."""
-        return None
-
-    def _set_counters(self, counters: Any) -> None:
-        pass
+    # Neutral extension points: a mechanism that keeps state across steps (correlated noise) overrides
+    # these; the base class knows no mechanism. Per-device rows of past noise live in ``group.history``
+    # (``_history_rows`` of them, saved and restored here); anything else per device, in
+    # ``group.mechanism_buffers``, declared by the mechanism.
+    def _advance(self) -> Callable[[], None]:
+        """This step's change of the mechanism's own counters, computed without changing anything: the
+        returned function applies it once the step is recorded, and must not raise. Default: none."""
+        return _nothing_to_do
 
     def _before_step(self, noise_scale: float) -> None:
         """Validate step-dependent conditions before anything is changed.
@@ -286,13 +310,12 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     def _commit_noise(self, group: _DeviceGroup) -> Callable[[], None]:
         """Keep what later steps need of this step's noise (``group.noise``); return a function that
         undoes it exactly (called if the commit fails later)."""
-        return _nothing_to_undo
+        return _nothing_to_do
 
     def _history_rows(self) -> int:
+        """Rows of past noise kept per device (``group.history``, shape ``(rows, numel)``, zeros at the
+        start of a layout, saved in ``state_dict``); 0: none."""
         return 0
-
-    def _make_ring_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        return None
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -306,35 +329,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     # ------------------------------------------------------------------ validation
     @staticmethod
     def _validated_noise_scale(noise_multiplier: float, max_grad_norm: float) -> float:
-        """``noise_multiplier * max_grad_norm`` after checking both; 0.0 means no noise."""
-        try:
-            noise_multiplier = float(noise_multiplier)
-            max_grad_norm = float(max_grad_norm)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"noise_multiplier and max_grad_norm must be real numbers, got "
-                f"{noise_multiplier!r} and {max_grad_norm!r}"
-            ) from error
-        if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-            raise ValueError(
-                f"noise_multiplier must be finite and >= 0 (0 disables noise), got {noise_multiplier}"
-            )
-        if math.isnan(max_grad_norm) or max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
-        if noise_multiplier == 0.0:
-            return 0.0
-        if math.isinf(max_grad_norm):
-            raise ValueError(
-                "max_grad_norm is inf with noise_multiplier > 0: unclipped gradients have "
-                "unbounded sensitivity and no finite noise makes them private. Set a finite "
-                "max_grad_norm, or noise_multiplier=0 for non-private training."
-            )
-        scale = noise_multiplier * max_grad_norm
-        if not math.isfinite(scale):
-            raise ValueError(
-                f"noise_multiplier * max_grad_norm overflows ({noise_multiplier} * {max_grad_norm})"
-            )
-        return scale
+        """``noise_multiplier * max_grad_norm`` after checking both; 0.0 means no noise (the settings'
+        own checks, ``privacy_engine.settings_checks``)."""
+        noise_multiplier = check_noise_multiplier(noise_multiplier)
+        return check_noise_std(noise_multiplier, check_max_grad_norm(max_grad_norm))
 
     def _check_tensors(
         self, tensors: list[torch.Tensor]
@@ -429,8 +427,6 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         rows = self._history_rows()
         if rows > 0 and group.history is None:
             group.history = torch.zeros(rows, group.numel, dtype=group.dtype, device=group.device)
-        if rows > 0:
-            group.ring_weights = self._make_ring_weights(group.dtype, group.device)
 
     def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
         """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is

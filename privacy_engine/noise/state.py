@@ -3,7 +3,8 @@
 
 The state is made of plain types (tensors, numbers, strings, lists, dicts), so it loads with
 ``torch.load(..., weights_only=True)``: the step index, the seed and generator states (none in secure
-mode), the layout it was saved over, and for BandMF the noise history and ring position.
+mode), the layout it was saved over, the history of past noise a mechanism keeps (``_history_rows`` per
+device) and the mechanism's own fields (``_extra_state``: BandMF's coefficients and ring position).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from privacy_engine.noise.layout import _generator_state_size, _global_generator_seed
+from privacy_engine.settings_checks import check_noise_seed, check_unseeded_in_secure_mode
 
 if TYPE_CHECKING:
     from privacy_engine.noise.layout import _DeviceGroup
@@ -106,10 +107,8 @@ class NoiseStateMixin:
         ``state_dict`` saved before it, continue with them. ValueError, with nothing changed, if that
         saved state is for a device type on which no generator can be made here.
         """
-        if self.secure_mode and seed is not None:
-            raise ValueError("seed must be None when secure_mode=True: secure mode draws its generators from the OS")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        check_unseeded_in_secure_mode("seed", seed, secure_mode=self.secure_mode)
+        check_noise_seed(seed, name="seed")
         previous = self._seed
         if not self.secure_mode:
             self._seed = int(seed) if seed is not None else _global_generator_seed()

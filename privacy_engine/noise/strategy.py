@@ -30,6 +30,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
+from privacy_engine.settings_checks import check_max_grad_norm, check_noise_multiplier, check_noise_std
+
 __all__ = ["expected_error", "optimize_banded_toeplitz", "strategy_loss"]
 
 # The optimiser works on x = K * (c_1, ..., c_{b-1}) with c_0 = 1. L-BFGS's first step has unit
@@ -181,24 +183,26 @@ def expected_error(
     amplification), and the smaller ``expected_error`` wins. Multiply by the number of model
     parameters for the total squared error.
 
-    ===========================  ==============================
-    case                         result
-    ===========================  ==============================
-    noise_multiplier = 0         0.0
-    noise_multiplier < 0 / NaN   ValueError
-    max_grad_norm < 0 / NaN/inf  ValueError
-    ===========================  ==============================
+    ==================================  ==============================
+    case                                result
+    ==================================  ==============================
+    noise_multiplier = 0                0.0 (whatever max_grad_norm)
+    max_grad_norm = 0                   0.0
+    noise_multiplier < 0 / NaN / inf    ValueError naming it
+    max_grad_norm < 0 / NaN             ValueError naming it
+    max_grad_norm = inf with noise > 0  ValueError naming it
+    ==================================  ==============================
+
+    The settings are checked by ``privacy_engine.settings_checks`` (the same checks and messages as
+    ``make_private``'s).
     """
-    noise_multiplier = float(noise_multiplier)
-    max_grad_norm = float(max_grad_norm)
-    if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
-    if not math.isfinite(max_grad_norm) or max_grad_norm < 0:
-        raise ValueError(f"max_grad_norm must be finite and >= 0, got {max_grad_norm}")
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     loss = strategy_loss(coefficients, n, column_normalized=column_normalized)
-    if noise_multiplier == 0.0 or max_grad_norm == 0.0:
+    noise_std = check_noise_std(noise_multiplier, max_grad_norm)
+    if noise_std == 0.0:
         return 0.0
-    return loss * (noise_multiplier * max_grad_norm) ** 2
+    return loss * noise_std**2
 
 
 def _sqrt_prefix_sum_coefficients(bands: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""``opacus.distributed``: ``DifferentiallyPrivateDistributedDataParallel``, the engine's
-(``privacy_engine.training.distributed``): ``make_private`` recognises it, as it recognises torch's own
+"""``opacus.distributed``: ``DifferentiallyPrivateDistributedDataParallel``, Opacus's name for the engine's
+``PrivateDataParallel`` (``privacy_engine.training.distributed``): ``make_private`` recognises it, as it recognises torch's own
 ``DistributedDataParallel``. Importing this module never needs a process group; building the
 wrapper does (as with Opacus)."""
 
@@ -12,6 +12,6 @@ __all__ = ["DifferentiallyPrivateDistributedDataParallel"]  # noqa: F822  (serve
 
 def __getattr__(name: str):
     if name == "DifferentiallyPrivateDistributedDataParallel":
-        return lazy_attribute(name, "privacy_engine.training.distributed", (name,),
+        return lazy_attribute(name, "privacy_engine.training.distributed", ("PrivateDataParallel",),
                               "distributed data parallel training")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

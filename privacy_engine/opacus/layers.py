@@ -1,5 +1,5 @@
 """``opacus.layers``: ``DPLSTM``, ``DPGRU``, ``DPRNN`` (the engine's recurrent layers,
-``privacy_engine.models.recurrent``: torch's layers under Opacus's names, with exact per-sample gradients and
+``privacy_engine.opacus.recurrent``: torch's layers under Opacus's names, with exact per-sample gradients and
 torch's state dict) and ``DPMultiheadAttention``.
 
 ``DPMultiheadAttention(...)`` builds a plain ``nn.MultiheadAttention`` with Opacus's constructor
@@ -34,5 +34,5 @@ class DPMultiheadAttention(nn.MultiheadAttention):
 
 def __getattr__(name: str):
     if name in _RECURRENT:
-        return lazy_attribute(name, "privacy_engine.models.recurrent", (name,), "a recurrent layer with exact per-sample gradients")
+        return lazy_attribute(name, "privacy_engine.opacus.recurrent", (name,), "a recurrent layer with exact per-sample gradients")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,17 +9,20 @@ with Opacus's conventions where a script can see them:
   ``rand_on_empty``, ``criterion``) and Opacus's return values (four in ghost mode, with the
   criterion; the engine's own ``PrivacyEngine`` returns three in every mode); the returned model
   saves with Opacus's state-dict keys (``_module.`` prefix) and the optimizer is
-  ``privacy_engine.opacus.optimizers.DPOptimizer``;
+  ``privacy_engine.opacus.optimizers.DPOptimizer``: the engine builds this namespace's classes
+  (``_OPACUS_CLASSES``, passed in its plan), so nothing changes class after it is made;
 - ``load_checkpoint`` also reads files written by Opacus's ``save_checkpoint``.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import os
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,16 +35,45 @@ from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine import PrivacyEngine as _PrivacyEngine
 from privacy_engine.engine import checkpoint
 from privacy_engine.engine.options import takes_settings
-from privacy_engine.engine.typed_settings import OpacusMakePrivateSettings, OpacusMakePrivateWithEpsilonSettings
+from privacy_engine.engine.plan import BuildClasses, Plan
+from privacy_engine.opacus import _binding
 from privacy_engine.opacus.accountants import create_accountant
-from privacy_engine.opacus.grad_sample import wrap_opacus_keys
+from privacy_engine.opacus.grad_sample import (
+    GradSampleModule,
+    GradSampleModuleFastGradientClipping,
+    GradSampleModuleNoOp,
+)
 from privacy_engine.opacus.optimizers import DPOptimizer
+from privacy_engine.opacus.typed_settings import OpacusMakePrivateSettings, OpacusMakePrivateWithEpsilonSettings
 from privacy_engine.opacus.validators import fixer_attribute
-from privacy_engine.training.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["PrivacyEngine", "forbid_accumulation_hook"]
 
 _OPACUS_ACCOUNTANT_KEY = "privacy_accountant_state_dict"
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+#: What ``make_private`` builds in this namespace: the engine's classes' subclasses with Opacus's
+#: methods and state-dict keys (same constructors, no state of their own), constructed directly.
+_OPACUS_CLASSES = BuildClasses(
+    optimizer=DPOptimizer,
+    hooks=GradSampleModule,
+    ghost=GradSampleModuleFastGradientClipping,
+    manual=GradSampleModuleNoOp,
+)
+
+
+def _takes_opacus_settings(entry_point: str) -> Callable[[_Method], _Method]:
+    """``takes_settings(entry_point)`` (the engine's settings in the runtime signature) plus Opacus's
+    ghost-mode ``criterion``, a keyword of this namespace only (the engine's entry points refuse it)."""
+
+    def decorate(method: _Method) -> _Method:
+        method = takes_settings(entry_point)(method)
+        signature = inspect.signature(method)
+        criterion = inspect.Parameter("criterion", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any)
+        method.__signature__ = signature.replace(parameters=[*signature.parameters.values(), criterion])  # type: ignore[attr-defined]
+        return method
+
+    return decorate
 
 
 def forbid_accumulation_hook(module: nn.Module, _inputs: Any) -> None:
@@ -120,23 +152,26 @@ class PrivacyEngine(_PrivacyEngine):
                              settings: Mapping[str, Any]) -> tuple[Any, ...]:  # fmt: skip
         """The engine's ``entry_point`` with Opacus's return values: ``(module, optimizer,
         data_loader)``, with the criterion third in ghost mode."""
+        settings = dict(settings)
+        criterion = settings.pop("criterion", None)  # not the engine's setting: read here only
         made_module, made_optimizer, made_loader = self._make_private(
-            entry_point, (None, optimizer, None), (module, data_loader), settings
+            entry_point, module, optimizer, data_loader, settings
         )
-        wrap_opacus_keys(made_module)
-        if type(made_optimizer) is _DPOptimizer:
-            # The subclass adds methods only (Opacus's attributes and extension points).
-            made_optimizer.__class__ = DPOptimizer
         if not isinstance(made_module, GhostClippingModule):
             return made_module, made_optimizer, made_loader
         # Opacus wraps the criterion in ghost mode to run its second backward pass; here clipping
         # happens inside the ordinary backward pass, so it comes back as given (default: cross-entropy).
-        criterion = settings.get("criterion")
         if criterion is None:
             criterion = nn.CrossEntropyLoss(reduction=made_optimizer.loss_reduction)
         return made_module, made_optimizer, criterion, made_loader
 
-    @takes_settings("make_private")
+    def _build(self, plan: Plan, budget: Any) -> tuple[Any, ...]:
+        # The engine's build, of this namespace's classes (Opacus's methods and keys), which connects what it
+        # builds itself: not a hand-built pair for opacus._binding to connect.
+        with _binding.built_by_make_private():
+            return super()._build(dataclasses.replace(plan, classes=_OPACUS_CLASSES), budget)
+
+    @_takes_opacus_settings("make_private")
     def make_private(  # type: ignore[override]  # Opacus's signature: keywords only, four values in ghost mode
         self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
         rand_on_empty: bool = False, **settings: Unpack[OpacusMakePrivateSettings],
@@ -173,7 +208,7 @@ class PrivacyEngine(_PrivacyEngine):
         self._opacus_options(wrap_model, rand_on_empty)
         return self._make_private_opacus("make_private", module, optimizer, data_loader, settings)
 
-    @takes_settings("make_private_with_epsilon")
+    @_takes_opacus_settings("make_private_with_epsilon")
     def make_private_with_epsilon(  # type: ignore[override]  # Opacus's signature, as make_private
         self, *, module: nn.Module, optimizer: Optimizer, data_loader: DataLoader, wrap_model: bool = True,
         rand_on_empty: bool = False, **settings: Unpack[OpacusMakePrivateWithEpsilonSettings],

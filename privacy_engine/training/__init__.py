@@ -7,13 +7,13 @@ Where things are:
   Its parts: ``optimizer_arguments.py`` (constructor checks), ``release_checks.py`` (what one step may
   release), ``parameter_sync.py`` (freezing/unfreezing), ``loss_scaling.py`` (fp16 GradScaler),
   ``optimizer_state.py`` (state_dict / load_state_dict).
-* ``step_contract.py``: the loop contract (which batch each forward ran on, what a step releases) and
-  ``batch_tickets.py``: the ticket each drawn batch carries on its tensors.
-* ``virtual_steps.py``: ``VirtualSteps`` / ``BatchMemoryManager``: one logical batch in micro-batches.
+* ``step_contract.py``: the loop contract (which batch each forward ran on, what a step releases); the
+  ticket each drawn batch carries on its tensors is ``privacy_engine.batches.tickets``.
+* ``virtual_steps.py``: ``VirtualSteps``: one logical batch in micro-batches.
 * ``sampling.py``: the private batch samplers (Poisson, cyclic Poisson with optional truncation).
 * ``data_loader.py``: ``DPDataLoader``, a DataLoader that draws its batches with those samplers.
 * ``distributed.py``: private data-parallel training on ``torch.distributed`` (model wrappers,
-  ``make_private``'s cross-rank wiring, Opacus's distributed names, sampling checkpoints).
+  ``make_private``'s cross-rank wiring, sampling checkpoints).
 * ``distributed_job.py``: one rank's view of the job: its process group, timeouts and collectives.
 * ``distributed_noise.py``: ``RankZeroNoise``, the noise of a global step (drawn on rank 0, then reduced).
 * ``distributed_sampling.py``: each rank's part of one global (cyclic) Poisson sample.

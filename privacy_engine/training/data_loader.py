@@ -25,13 +25,13 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from privacy_engine.batches.tickets import BatchTicket, TicketQueue, tag_batch
 from privacy_engine.noise.secure_random import is_secure_generator
-from privacy_engine.training.batch_tickets import BatchTicket, TicketQueue, tag_batch
+from privacy_engine.settings_checks import check_count
 from privacy_engine.training.sampling import (
     CyclicPoissonBatchSampler,
     PoissonBatchSampler,
     _DPBatchSampler,
-    _positive_int,
 )
 
 __all__ = ["DPDataLoader", "loader_index_set"]
@@ -125,7 +125,7 @@ def cyclic_sampling_of(loader: DataLoader, num_groups: int) -> tuple[int, int, f
     examples) or the batch size (a rate above 1) before anything is built."""
     num_samples = _sized_dataset_length(loader)
     batch_size = _expected_batch_size(loader)
-    num_groups = _positive_int(num_groups, "num_groups")
+    num_groups = check_count("num_groups", num_groups)
     indices = loader_index_set(loader)
     population = num_samples if indices is None else int(indices.numel())
     if num_groups > population:
@@ -343,18 +343,24 @@ class DPDataLoader(DataLoader):
     # ------------------------------------------------------------------ attributes
     @property
     def sample_rate(self) -> float:
+        """Probability ``q`` that an example is in a step's batch (with cyclic sampling: an example of
+        the step's group); the rate the accountant records."""
         return self.batch_sampler.sample_rate
 
     @property
     def expected_batch_size(self) -> float:
+        """Expected number of real examples in a batch: what the noisy sum is divided by (never the
+        realised size, which depends on the data)."""
         return self.batch_sampler.expected_batch_size
 
     @property
     def num_groups(self) -> int:
+        """Number of cyclic groups (1: plain Poisson sampling)."""
         return self.batch_sampler.num_groups
 
     @property
     def max_batch_size(self) -> int | None:
+        """Truncated sampling's cap: every batch has this many rows, padding masked; None: not truncated."""
         return self.batch_sampler.max_batch_size
 
     # ------------------------------------------------------------------ iteration

@@ -1,7 +1,7 @@
 """Private data-parallel training on ``torch.distributed``: one global DP step over all ranks.
 
-Wrap the model in torch's ``DistributedDataParallel`` (or Opacus's name for the same thing,
-``DifferentiallyPrivateDistributedDataParallel``) and call ``make_private`` on every rank with the
+Wrap the model in torch's ``DistributedDataParallel`` (or ``PrivateDataParallel``,
+which also sets the collectives' timeout) and call ``make_private`` on every rank with the
 same arguments and the same loader over the *whole* dataset, whose ``batch_size`` is the expected
 *global* batch (``q = batch_size / len(dataset)``, as in a single process)::
 
@@ -38,7 +38,7 @@ BatchNorm statistics to keep in sync), and exactly one all-reduce of the paramet
 sums happens per global step.
 
 Failures. Every collective waits at most ``timeout`` (the process group's timeout by default, or
-``DifferentiallyPrivateDistributedDataParallel(timeout=...)``); a rank that raised, died or
+``PrivateDataParallel(timeout=...)``); a rank that raised, died or
 stalled makes the others raise ``DistributedStepError`` naming the step, instead of hanging.
 ``make_private`` compares the privacy settings of all ranks (sigma, clipping, seeds, mechanism,
 sample rate, ..., and a digest of the dataset's contents and order: ``distributed_dataset``) and
@@ -55,8 +55,9 @@ steps: a clipped sum accumulated on another rank mid-step is not in rank 0's sta
 Not supported: FSDP / FSDP2 (``fully_shard``; sharded parameters would need per-example gradients
 of the unsharded weights), ``nn.DataParallel`` (replicas in threads), ``poisson_sampling=False``.
 
-This module: the model wrappers, ``make_private``'s wiring (``unwrap``, ``agree``, ``configure``),
-Opacus's distributed names and the sampling checkpoints (``distributed_state``). Beside it:
+This module: the model wrapper, ``make_private``'s wiring (``unwrap``, ``agree``, ``configure``),
+what pieces built by hand need (``current_job``, ``sampling_seed``, ``distributed_data_loader``) and
+the sampling checkpoints (``distributed_state``). Beside it:
 ``distributed_job.py`` (the job, its timeouts and collectives), ``distributed_noise.py``
 (``RankZeroNoise``), ``distributed_sampling.py`` (each rank's samplers and loader) and
 ``distributed_dataset.py`` (the digest that tells whether the ranks hold the same dataset in the same
@@ -73,7 +74,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from privacy_engine.training.distributed_dataset import dataset_settings
@@ -93,24 +93,23 @@ from privacy_engine.training.distributed_sampling import (
     DistributedPoissonBatchSampler,
     derived_seed,
 )
-from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = [
-    "DifferentiallyPrivateDistributedDataParallel",
     "DistributedCyclicPoissonBatchSampler",
     "DistributedDPDataLoader",
-    "DistributedDPOptimizer",
     "DistributedJob",
     "DistributedPoissonBatchSampler",
     "DistributedSettingsError",
     "DistributedStepError",
-    "DistributedUniformWithReplacementSampler",
+    "PrivateDataParallel",
     "RankZeroNoise",
     "agree",
     "configure",
+    "current_job",
     "distributed_data_loader",
     "distributed_state",
     "load_distributed_state",
+    "sampling_seed",
     "unwrap",
 ]
 
@@ -152,8 +151,10 @@ def plan_settings(plan: Any, *, accountant: Any, secure_mode: bool) -> dict[str,
 # ---------------------------------------------------------------------------------------------
 # Model wrappers
 # ---------------------------------------------------------------------------------------------
-class DifferentiallyPrivateDistributedDataParallel(nn.Module):
-    """Opacus's name for a data-parallel model: marks ``module`` for distributed private training.
+class PrivateDataParallel(nn.Module):
+    """A data-parallel model for private training (Opacus's ``DifferentiallyPrivateDistributedDataParallel``
+    plays the same part): marks ``module`` for
+    distributed private training and sets how long its collectives may wait.
 
     At construction every rank receives rank 0's parameters and buffers (as DDP does); calls go
     straight to ``module``. ``make_private`` recognises it exactly like torch's
@@ -164,7 +165,7 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, process_group: Any = None, timeout: Timeout = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module; got {type(module).__name__}")
-        _require_initialized("DifferentiallyPrivateDistributedDataParallel")
+        _require_initialized("PrivateDataParallel")
         timeout = _validated_timeout(timeout)
         super().__init__()
         self.module = module
@@ -178,6 +179,7 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
                 job.wait(work, "broadcasting rank 0's parameters")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module``'s forward (the wrapper adds nothing to it)."""
         return self.module(*args, **kwargs)
 
 
@@ -214,7 +216,7 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     model                                         result
     ============================================  ==============================================
     DistributedDataParallel(m) (any backend)      (m, job in DDP's process group)
-    DifferentiallyPrivateDistributedDataParallel  (m, job with its process group and timeout)
+    PrivateDataParallel                           (m, job with its process group and timeout)
     a plain module, no process group / world 1    (model, None): single-process training
     a plain module, world size > 1                (model, None) and a warning: each rank trains
                                                   alone and reports its own epsilon
@@ -227,11 +229,11 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     if problem is not None:
         raise NotImplementedError(
             f"{problem}: private training supports data parallelism with torch's DistributedDataParallel (or "
-            "DifferentiallyPrivateDistributedDataParallel) only, in hooks, functorch and ghost modes. Sharded "
+            "PrivateDataParallel) only, in hooks, functorch and ghost modes. Sharded "
             "parameters (FSDP) would need per-example gradients of the unsharded weights. Wrap the unsharded model "
             "in DistributedDataParallel instead."
         )
-    wrappers = (DistributedDataParallel, DifferentiallyPrivateDistributedDataParallel)
+    wrappers = (DistributedDataParallel, PrivateDataParallel)
     if not isinstance(model, wrappers):
         nested = next((path for path, m in model.named_modules() if path and isinstance(m, wrappers)), None)
         if nested is not None:
@@ -284,79 +286,43 @@ def configure(dp_optimizer: Any, job: DistributedJob) -> None:
     """Make ``dp_optimizer`` run distributed global steps (``make_private`` calls it): its noise
     becomes ``RankZeroNoise(noise, job)`` (noise on rank 0, then the all-reduce). The optimizer's
     ``expected_batch_size`` and ``sample_rate`` must already be the global ones."""
-    if dp_optimizer.loss_reduction == "mean" and dp_optimizer.expected_batch_size is None:
-        raise ValueError("expected_batch_size (global) is needed")
     if not isinstance(dp_optimizer.noise, RankZeroNoise):
         dp_optimizer.noise = RankZeroNoise(dp_optimizer.noise, job)
     dp_optimizer.distributed_job = job
 
 
 # ---------------------------------------------------------------------------------------------
-# Opacus's names (privacy_engine.opacus looks them up here)
+# Pieces built by hand (outside make_private): the current job, seeds, the distributed loader
 # ---------------------------------------------------------------------------------------------
-def _current_job(process_group: Any, timeout: Timeout, wrapper: str) -> DistributedJob:
+def current_job(process_group: Any, timeout: Timeout, wrapper: str) -> DistributedJob:
+    """This rank's job in ``process_group`` (default: the default group), for pieces built by hand;
+    ``wrapper`` names the piece in errors (RuntimeError if no process group is initialised)."""
     _require_initialized(wrapper)
     return DistributedJob(process_group=process_group, rank=dist.get_rank(process_group),
                           world_size=dist.get_world_size(process_group), timeout=_validated_timeout(timeout),
                           wrapper=wrapper)  # fmt: skip
 
 
-def _seed_from(generator: torch.Generator | None) -> int:
-    # From the generator's state (not a draw: the caller's generator is left as it is), else one
-    # draw from torch's global generator, as Opacus samples from it.
+def sampling_seed(generator: torch.Generator | None) -> int:
+    """A seed from ``generator``'s state (not a draw: the caller's generator is left as it is), else
+    one draw from torch's global generator (so ``torch.manual_seed`` makes a run reproducible)."""
     if generator is not None:
         return int.from_bytes(hashlib.sha256(generator.get_state().numpy().tobytes()).digest()[:8], "little") >> 1
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-class DistributedDPOptimizer(DPOptimizer):
-    """Opacus's distributed optimizer, for scripts that build it by hand: a ``DPOptimizer`` whose
-    steps are global (``RankZeroNoise``: noise on rank 0, one all-reduce of clipped sums + noise).
-
-    ``expected_batch_size`` is each rank's, as in Opacus: the summed gradient is divided by
-    ``expected_batch_size * world_size``. Accounting, sampling and the cross-rank settings check
-    are ``make_private``'s (prefer it); this class does none of them.
-    """
-
-    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 expected_batch_size: float | None, loss_reduction: str = "mean",
-                 generator: torch.Generator | None = None, secure_mode: bool = False, process_group: Any = None,
-                 timeout: Timeout = None, **kwargs: Any) -> None:  # fmt: skip
-        job = _current_job(process_group, timeout, "DistributedDPOptimizer")
-        if expected_batch_size is not None:
-            expected_batch_size = expected_batch_size * job.world_size
-        seed = None if secure_mode else _seed_from(generator)
-        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction, noise_seed=seed,
-                         secure_mode=secure_mode, **kwargs)  # fmt: skip
-        configure(self, job)
-
-
-class DistributedUniformWithReplacementSampler(DistributedPoissonBatchSampler):
-    """Opacus's distributed Poisson sampler (its keyword arguments): this rank's part of one global
-    Poisson sample, see ``DistributedPoissonBatchSampler`` (rank and world size from the default
-    process group). ``shuffle``/``shuffle_seed`` are accepted and unused: the shards here are
-    strided, and which rank holds an example does not change its inclusion probability."""
-
-    def __init__(self, *, total_size: int, sample_rate: float, shuffle: bool = True, shuffle_seed: int = 0,
-                 steps: int | None = None, generator: torch.Generator | None = None) -> None:  # fmt: skip
-        job = _current_job(None, None, "DistributedUniformWithReplacementSampler")
-        super().__init__(total_size, sample_rate, rank=job.rank, world_size=job.world_size, seed=_seed_from(generator),
-                         steps=steps)  # fmt: skip
-
-
 def distributed_data_loader(data_loader: DataLoader, *, generator: torch.Generator | None = None,
                             process_group: Any = None) -> DistributedDPDataLoader:  # fmt: skip
-    """This rank's distributed Poisson loader over ``data_loader``'s examples (Opacus's
-    ``DPDataLoader.from_data_loader(loader, distributed=True)``): ``q = batch_size / N`` with
+    """This rank's distributed Poisson loader over ``data_loader``'s examples, built by hand (what
+    Opacus's ``DPDataLoader.from_data_loader(loader, distributed=True)`` gives): ``q = batch_size / N`` with
     ``batch_size`` the expected *global* batch. The ranks' streams are keyed by rank, so they are
     independent whatever seeds the ranks hold. Collective (every rank calls it, as in Opacus's
     scripts): the ranks compare the dataset's size and digest (``distributed_dataset``) and raise
     ``DistributedSettingsError`` on every rank if index ``i`` is not the same example everywhere."""
-    job = _current_job(process_group, None, "distributed_data_loader")
+    job = current_job(process_group, None, "distributed_data_loader")
     job.agree(dataset_settings(data_loader.dataset))
     loader = DistributedDPDataLoader.from_data_loader(data_loader, rank=job.rank, world_size=job.world_size,
-                                                      seed=_seed_from(generator))  # fmt: skip
+                                                      seed=sampling_seed(generator))  # fmt: skip
     loader.distributed_job = job
     return loader
 
@@ -396,5 +362,5 @@ def load_distributed_state(data_loader: DistributedDPDataLoader, state: dict[str
         )
     data_loader.load_state_dict(state["ranks"][sampler.rank])
     if getattr(sampler, "secure", False) and sampler.max_batch_size is not None:
-        job = data_loader.distributed_job or _current_job(None, None, "load_distributed_state")
+        job = data_loader.distributed_job or current_job(None, None, "load_distributed_state")
         sampler.set_shared_seed(job.broadcast_int(_os_seed(), "agreeing on a fresh secure sampling seed"))

@@ -119,6 +119,8 @@ class DistributedJob:
 
     @property
     def effective_timeout(self) -> datetime.timedelta | None:
+        """The bound on each collective: ``timeout``, else the process group's own timeout if it can be read,
+        else None."""
         return self.timeout if self.timeout is not None else _group_timeout(self.process_group)
 
     def _source(self) -> int:
@@ -222,6 +224,9 @@ class DistributedJob:
         self.wait(dist.barrier(group=self.process_group, async_op=True), what)
 
     def all_gather_objects(self, value: Any, what: str) -> list:
+        """Every rank's ``value`` (picklable), in rank order. Collective: every rank must call it. Any failure
+        raises ``DistributedStepError`` naming this rank and ``what``. A blocking call: ``timeout`` is not
+        applied (the process group's own timeout is)."""
         gathered: list = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, value, group=self.process_group)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from accountants.events import EventSpec
 from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.training.distributed_job import DistributedJob
@@ -62,20 +63,38 @@ class RankZeroNoise(NoiseMechanism):
 
     @property
     def secure_mode(self) -> bool:  # type: ignore[override]
+        """``inner``'s secure mode (only rank 0's mechanism draws)."""
         return self.inner.secure_mode
 
     @property
     def step(self) -> int:
+        """Steps completed on this rank (successful ``add_noise_`` calls; a call that raised is not counted).
+        On every rank, not only rank 0, so that the ranks' global step indices can be compared."""
         return self._released
 
     def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
+        """``inner``'s standard deviation of the fresh Gaussian draws (drawn on rank 0 only)."""
         return self.inner.noise_std(noise_multiplier, max_grad_norm)
 
+    def privacy_event(self) -> EventSpec:
+        """``inner``'s: exactly one draw of its noise is in every released sum."""
+        return self.inner.privacy_event()
+
     def restart_layout(self) -> None:
+        """``inner.restart_layout()``: the next step lays the noise out over the tensors it is given (step
+        count and seeded stream continue)."""
         self.inner.restart_layout()
 
     def add_noise_(self, tensors: Sequence[torch.Tensor], noise_multiplier: float, max_grad_norm: float, *,
                    on_commit: Any = None) -> None:  # fmt: skip
+        """Add this step's noise (rank 0: one draw of ``inner``'s) to ``tensors`` and all-reduce them (SUM)
+        over the ranks, in place; then ``on_commit()``, then the step counts. Call on every rank with the
+        same arguments. See the class docstring for the guarantee and the cases.
+
+        Raises before anything is communicated, drawn or recorded (on every rank alike): ``ValueError`` for
+        an invalid ``noise_multiplier`` / ``max_grad_norm``, an empty ``tensors``, or a tensor that is not
+        floating point. A failed or mismatched all-reduce (``DistributedStepError``) rolls rank 0's noise
+        state back and does not call ``on_commit``; ``tensors`` must then be discarded."""
         tensors = list(tensors)
         # Validated on every rank alike, so a bad argument raises everywhere before communicating.
         self._validated_noise_scale(noise_multiplier, max_grad_norm)
@@ -102,12 +121,17 @@ class RankZeroNoise(NoiseMechanism):
             self._released += 1
 
     def state_dict(self) -> dict[str, Any]:
+        """``inner``'s state with this rank's step count and where it was saved (``saved_on_rank``,
+        ``world_size``). Only rank 0's is the job's noise state: save from rank 0."""
         state = dict(self.inner.state_dict())
         state["step"] = self._released
         state["distributed"] = {"saved_on_rank": self.job.rank, "world_size": self.job.world_size}
         return state
 
     def check_state_dict(self, state: Any, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """Check ``state`` before loading, changing nothing: on rank 0, ``ValueError`` if it was saved on another
+        rank (whose mechanism never drew), then ``inner``'s own checks. Other ranks accept any state (they
+        never draw)."""
         saved = state.get("distributed", {}) if isinstance(state, dict) else {}
         if self.job.rank == 0 and saved.get("saved_on_rank", 0) != 0:
             raise ValueError(
@@ -118,6 +142,8 @@ class RankZeroNoise(NoiseMechanism):
             self.inner.check_state_dict(_without_distributed(state), tensors)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load rank 0's saved state on this rank (after ``check_state_dict``; ``ValueError`` before anything is
+        loaded if rank 0 is given another rank's state), including the step count."""
         # Every rank loads rank 0's state; only rank 0 will draw from it.
         self.check_state_dict(state)
         self.inner.load_state_dict(_without_distributed(state))

@@ -31,13 +31,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from privacy_engine.noise.secure_random import secure_uniform
+from privacy_engine.settings_checks import check_count, check_sample_rate
 from privacy_engine.training.data_loader import DPDataLoader, cyclic_sampling_of
-from privacy_engine.training.sampling import (
-    _DPBatchSampler,
-    _positive_int,
-    _validated_indices,
-    _validated_sample_rate,
-)
+from privacy_engine.training.sampling import _DPBatchSampler, _validated_indices
 
 __all__ = [
     "DistributedCyclicPoissonBatchSampler",
@@ -57,7 +53,7 @@ def derived_seed(seed: int, *key: int) -> int:
 
 
 def _check_rank(rank: Any, world_size: Any) -> tuple[int, int]:
-    world_size = _positive_int(world_size, "world_size")
+    world_size = check_count("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}); got {rank!r}")
     return int(rank), world_size
@@ -93,8 +89,8 @@ class _DistributedSampler(_DPBatchSampler):
 
     def _setup(self, num_samples: int, sample_rate: float, rank: int, world_size: int, seed: int,
                indices: Any, secure: bool) -> None:  # fmt: skip
-        self.num_samples = _positive_int(num_samples, "num_samples")
-        self.sample_rate = _validated_sample_rate(sample_rate)
+        self.num_samples = check_count("num_samples", num_samples)
+        self.sample_rate = check_sample_rate(sample_rate)
         self.rank, self.world_size = _check_rank(rank, world_size)
         self.indices = _validated_indices(indices, self.num_samples)
         self.seed = _check_seed(seed)
@@ -173,19 +169,23 @@ class DistributedPoissonBatchSampler(_DistributedSampler):
                  steps: int | None = None, indices: Any = None, secure: bool = False) -> None:  # fmt: skip
         self._setup(num_samples, sample_rate, rank, world_size, seed, indices, secure)
         default_steps = max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        super().__init__(default_steps if steps is None else check_count("steps", steps))
         self.shard = self.indices[self.rank :: self.world_size].clone()
 
     @property
     def groups(self) -> list[torch.Tensor]:
+        """One group, the whole index set (no cycle)."""
         return [self.indices]
 
     @property
     def expected_batch_size(self) -> float:
+        """The *global* ``q * population``, what the noisy sum is divided by (not this rank's share)."""
         return self.sample_rate * self.population
 
     @property
     def local_expected_batch_size(self) -> float:
+        """This rank's share, ``q * len(shard)``; to read only: the noisy sum is divided by the global
+        ``expected_batch_size``."""
         return self.sample_rate * self.shard.numel()
 
     def _draw(self, step: int) -> tuple[list[int], None]:
@@ -249,18 +249,18 @@ class DistributedCyclicPoissonBatchSampler(_DistributedSampler):
                 "OS of rank 0 and never saved (make_private agrees on one)"
             )
         self.shared_seed = None if shared_seed is None else _check_seed(shared_seed)
-        self.num_groups = _positive_int(num_groups, "num_groups")
+        self.num_groups = check_count("num_groups", num_groups)
         if self.num_groups > self.population:
             raise ValueError(f"num_groups={self.num_groups} exceeds the {self.population} examples to sample from")
         self.public_size = bool(public_size)
-        self.max_batch_size = None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
+        self.max_batch_size = None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
         if self.max_batch_size is not None and self.max_batch_size % self.world_size:
             raise ValueError(
                 f"max_batch_size={self.max_batch_size} (the cap on the global batch) must be a multiple of "
                 f"world_size={self.world_size}: every rank's batch holds max_batch_size / world_size entries"
             )
         default_steps = self.num_groups * max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        super().__init__(default_steps if steps is None else check_count("steps", steps))
         self.set_seed(self.seed)
 
     def set_seed(self, seed: int) -> None:
@@ -291,6 +291,7 @@ class DistributedCyclicPoissonBatchSampler(_DistributedSampler):
         return self.sample_rate * self.population / self.num_groups
 
     def group_of_step(self, step: int) -> int:
+        """The group that ``step`` samples from: ``step mod num_groups``, the same on every rank."""
         return step % self.num_groups
 
     def _draw(self, step: int) -> tuple[list[int], torch.Tensor | None]:
@@ -370,5 +371,7 @@ class DistributedDPDataLoader(DPDataLoader):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s state (this rank's); ``ValueError`` if it was saved by another
+        rank, number of ranks, dataset or grouping."""
         self.batch_sampler.load_state_dict(state)
         self._consumed_steps = int(state["next_step"])

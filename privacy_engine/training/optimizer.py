@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from privacy_engine.batches.tickets import BatchTicket
+from privacy_engine.capture.step_binding import wrapper_holding
 from privacy_engine.clipping import ClippingStats, MaxGradNorm, PerSampleGradientClipper
 from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
-from privacy_engine.training.batch_tickets import BatchTicket
 from privacy_engine.training.loss_scaling import LossScaling
 from privacy_engine.training.optimizer_arguments import (
     build_clipper,
@@ -45,7 +46,7 @@ from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerSta
 from privacy_engine.training.parameter_sync import ParameterSync
 from privacy_engine.training.release_checks import ReleaseChecks
 from privacy_engine.training.sampling import ShuffledBatches
-from privacy_engine.training.step_contract import Release, StepContract, register_optimizer
+from privacy_engine.training.step_contract import Release, StepContract
 
 __all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
 
@@ -62,7 +63,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     Guarantee: every step that is not skipped releases ``sum_i clip(g_i) + N(0, (sigma C)^2 I)``
     (C the clipper's sensitivity), whatever the gradients, and is recorded with the accountant
-    (sample_rate, noise_multiplier, the mechanism's num_bands). The ``.grad`` the wrapped
+    (sample_rate, noise_multiplier, the event the mechanism states). The ``.grad`` the wrapped
     optimizer sees is never the raw gradient from ``backward``: it is overwritten at every step.
 
     ====================================  ==============================================
@@ -106,7 +107,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         noise_seed: seed of the default Gaussian noise (``None``: OS entropy).
         secure_mode: OS-entropy noise only; a ``noise_seed`` raises.
         accountant: records every released step (``step(noise_multiplier=, sample_rate=,
-            num_bands=)``); ``None`` for no accounting.
+            **noise.privacy_event().step_kwargs())``); ``None`` for no accounting.
         sample_rate: the sampling probability recorded with each step (needed with an accountant).
         padding_mask_source: callable giving the padding mask of the batch being clipped (the
             engine passes ``lambda: loader.padding_mask``); ``None`` for no padding.
@@ -142,9 +143,12 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         clipper = build_clipper(trainable_parameters(optimizer), clipper, max_grad_norm, clipping)
         noise = build_noise(noise, noise_seed, secure_mode)
         check_sensitivity(noise_multiplier, clipper)
-        num_bands = int(getattr(noise, "num_bands", 1))
+        # What the mechanism states each step is (a mechanism that states nothing is refused here, before
+        # anything is released or counted); every release records exactly this.
+        privacy_event = noise.privacy_event()
         check_accounting(
-            accountant=accountant, sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_bands=num_bands,
+            accountant=accountant, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
+            privacy_event=privacy_event,
             padding_mask_source=padding_mask_source, budget=budget,
         )  # fmt: skip
 
@@ -157,7 +161,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.loss_reduction = loss_reduction
         self.accountant = accountant
         self.sample_rate = None if sample_rate is None else float(sample_rate)
-        self.num_bands = num_bands
+        #: The noise mechanism's privacy event (``NoiseMechanism.privacy_event``), recorded with every release.
+        self.privacy_event = privacy_event
+        self.num_bands = privacy_event.num_bands
         self.padding_mask_source = padding_mask_source
         self.last_clipping_stats: ClippingStats | None = None
         self.steps_taken = 0  # released (noised) steps
@@ -171,9 +177,6 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         #: Whether ``clip_and_accumulate(group_ids=...)`` is allowed: the engine's optimizers sample and
         #: account per example, so per-user clipping would be accounted wrongly there.
         self.per_user_clipping = bool(per_user_clipping)
-        #: Called with the clipped sums (the .grad tensors) before noise is added: the distributed
-        #: all-reduce hooks in here (privacy_engine.training.distributed).
-        self.reduce_clipped_sums: Callable[[list[torch.Tensor]], None] | None = None
         #: A privacy budget consulted before every release (privacy_engine.engine.budget); None for none.
         self.budget: Any | None = budget
         #: Set by the engine for ``poisson_sampling=False``: the loader's fixed-size batches, for accounting
@@ -181,7 +184,6 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.shuffled_batches: ShuffledBatches | None = None
         self._all_params = [p for group in optimizer.param_groups for p in group["params"]]
         self._grad_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (id(.grad), version) we left
-        register_optimizer(self)
 
     def _init_hook_tables(self) -> None:
         # Optimizer.__init__ would build new param_groups; the wrapped optimizer's are used
@@ -201,6 +203,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
     # ------------------------------------------------------------------ the wrapped optimizer
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (read and set through to it)."""
         return self.original_optimizer.param_groups
 
     @param_groups.setter
@@ -209,6 +212,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     @property
     def state(self) -> Any:
+        """The wrapped optimizer's ``state`` (read and set through to it)."""
         return self.original_optimizer.state
 
     @state.setter
@@ -217,6 +221,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``defaults`` (read and set through to it)."""
         return self.original_optimizer.defaults
 
     @defaults.setter
@@ -230,9 +235,12 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     @property
     def max_grad_norm(self) -> MaxGradNorm:
+        """The clipping bound(s) of the clipper (``PerSampleGradientClipper``'s ``max_grad_norm``)."""
         return self.clipper.config.max_grad_norm
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Always ``RuntimeError``: the clipper and the noise are laid out over the parameters given at
+        construction, so a parameter added later would be neither clipped nor noised."""
         raise RuntimeError(
             "parameters cannot be added to a DPOptimizer: the clipper and the noise are laid out over "
             "the parameters given at construction. Add the group before making the optimizer private."
@@ -246,19 +254,30 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         )
 
     # ------------------------------------------------------------------ the step contract
-    def _bind_if_ours(self, wrapper: Any) -> None:
-        """Bind a GradSampleModule whose trainable parameters this optimizer clips (or a fast-clipping
-        wrapper attached to this optimizer's clipper)."""
-        if hasattr(wrapper, "attach_clipper"):
-            if wrapper.clipper is not self.clipper:
-                return
-        else:
-            mine = {id(p) for p in self._all_params}
-            theirs = [p for p in wrapper.wrapped_module.parameters() if p.requires_grad]
-            if not theirs or any(id(p) not in mine for p in theirs):
-                return
-        wrapper.bind(self)
-        self.contract.attach_module(wrapper)
+    # A wrapper is connected to this optimizer by privacy_engine.connect_private only (make_private calls it):
+    # it is then in self.contract.modules. Nothing binds by itself.
+    def _check_connected(self, *, at_step: bool = False) -> None:
+        """Raise before anything is clipped, released or counted if per-sample gradients waiting here come
+        from a wrapper this optimizer is not connected to: ``grad_sample`` on a parameter a wrapper holds
+        (``capture.step_binding.wrapper_holding``), or, at the step, sums in the clipper that no pass of
+        this optimizer's explains (a fast-clipping wrapper sharing the clipper). ``grad_sample`` a loop set
+        by hand on parameters no wrapper holds (a bare optimizer) is clipped and released as before."""
+        held = [(i, p) for i, p in enumerate(self.clipper.params) if wrapper_holding(p) is not None]
+        if not held:
+            return
+        connected = {id(p) for module in self.contract.modules for p in module.parameters()}
+        strays = [(i, p) for i, p in held if id(p) not in connected]
+        waiting = [(i, p) for i, p in strays if getattr(p, "grad_sample", None) is not None]
+        if not waiting and at_step and strays and self.clipper.has_accumulated and not self.contract.has_contributions:
+            waiting = strays
+        if waiting:
+            kind = wrapper_holding(waiting[0][1])
+            raise RuntimeError(
+                f"optimizer parameters {[i for i, _ in waiting]} hold per-sample gradients of a {kind} that is not "
+                f"connected to this optimizer: its forwards were tied to no batch, so what they held is unknown to "
+                f"the accounting. Nothing was released or counted. Call privacy_engine.connect_private(module, "
+                f"optimizer, data_loader) once after building them (make_private connects what it returns)."
+            )
 
     def attach_loader(self, loader: Any) -> None:
         """Tie this optimizer's steps to the batches of a private loader (``DPDataLoader``): it releases
@@ -271,6 +290,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         batch's padding mask, and note the batch as part of the open step."""
         if not self._has_grad_samples():
             return  # dropped since (zero_grad): nothing of this pass is released
+        self._check_connected()
         padding_mask = ticket.mask() if ticket.tracked else self.current_padding_mask()
         self.clipper.clip_and_accumulate(padding_mask=padding_mask)
         self.contract.contributed(ticket)
@@ -301,6 +321,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             )
         if padding_mask is None:
             padding_mask = self.current_padding_mask()
+        self._check_connected()
         if self._has_grad_samples():
             self.contract.contributed(BatchTicket(loader_step=None, size=0))
         self.clipper.clip_and_accumulate(padding_mask=padding_mask, group_ids=group_ids)
@@ -320,6 +341,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         the expected batch size) into ``.grad`` and record the step. Returns whether the wrapped
         optimizer should step now. Every check raises before anything is released or counted."""
         self.sync_private_parameters()
+        self._check_connected(at_step=True)
         for module in self.contract.modules:
             module.flush_grad_samples()
         if self._has_grad_samples():
@@ -337,7 +359,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         grads = self.clipper.released_sums  # float32 at least; half-precision .grad is cast after the noise
         self._add_noise_and_record(grads, params, release, rows, loader_step, shuffled_batches=shuffled_batches)
         for module in self.contract.modules:
-            module._forward_ticket = None  # a later backward must come from a new forward
+            module.forget_forward_batch()  # a later backward must come from a new forward
         if self.loss_reduction == "mean":
             # Divide by the expected batch size, not the realised one: the realised size depends
             # on which examples were sampled, and dividing by it would release that number
@@ -370,8 +392,6 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         state (after the discarded BandMF rows of the loader steps not released, see ``_noise_rows``).
         On any error the clipped sums are removed from ``.grad`` before it propagates."""
         try:
-            if self.reduce_clipped_sums is not None:
-                self.reduce_clipped_sums(grads)
             step_kwargs = self._accounting_kwargs(release, rows)
             if shuffled_batches > 1:  # k disjoint batches of one epoch: each example at most once (ShuffledBatches)
                 step_kwargs["sample_rate"] = self.shuffled_batches.release_sample_rate(shuffled_batches)
@@ -390,11 +410,13 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             def record() -> None:
                 # Runs inside the noise step's commit: the step is recorded if and only if its noise
                 # state advances. Every released step is recorded, an empty batch's too: its noise was
-                # drawn for a batch that could have held any example.
+                # drawn for a batch that could have held any example. All or nothing: what can raise is built
+                # first, the accountant's record (itself all or nothing) is the first write, plain assignments follow.
+                released_draws = self.contract.released_draws_after(release)
                 if self.accountant is not None:
                     self.accountant.step(**step_kwargs)
                 self.steps_taken += 1
-                self.contract.released(release, loader_step)
+                self.contract.released(release, loader_step, released_draws)
 
             self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity, on_commit=record)
         except BaseException:
@@ -406,6 +428,44 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Release one private step and let the wrapped optimizer update the parameters; after
+        ``signal_skip_step()``, only clip and accumulate (nothing released, nothing recorded). Returns
+        ``closure()``'s loss (evaluated once, with grad; None without a closure).
+
+        A released step writes ``sum_i clip(g_i) + noise`` (divided by ``expected_batch_size`` times the
+        number of loader batches released, at least 1, for ``loss_reduction="mean"``) into the ``.grad`` of
+        the private parameters, records it with the accountant inside the noise commit (recorded if and only
+        if the noise state advances; an empty batch's noise-only step too), adds one to ``steps_taken``,
+        then calls the wrapped optimizer's ``step()`` (without the closure, which would overwrite the private
+        ``.grad``). A signal arriving once the noise is committed is held until the parameters are updated: a
+        recorded step is always a step the model took.
+
+        Raises before anything is released or counted:
+
+        =============================================  =========================================
+        case                                           result
+        =============================================  =========================================
+        ``grad_sample`` of a wrapper not connected     ``RuntimeError``
+        to this optimizer
+        contributions from data the private loader     ``RuntimeError`` (untracked, or another
+        did not draw                                   loader's batch)
+        a draw already released by an earlier step     ``RuntimeError``
+        gradients without per-sample gradients         ``RuntimeError``
+        (eval mode, unwrapped model)
+        no new batch since the last step               ``RuntimeError``
+        parameters changed in place since the          ``RuntimeError``
+        step's first forward
+        several draws in one step with BandMF or       ``RuntimeError``
+        truncated sampling
+        BandMF batch released out of loader order      ``RuntimeError``
+        release over the privacy budget                ``PrivacyBudgetExceeded``
+        ``GradScaler.step`` without an attached        ``RuntimeError``; the open logical step is
+        scaler                                         discarded
+        =============================================  =========================================
+
+        If noising or recording fails after the checks, the private parameters' ``.grad`` is set to None
+        (it held the un-noised clipped sum) before the error propagates; the step's noise commit is all
+        or nothing (recorded if and only if its noise state advanced)."""
         scaled_step = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
         if not scaled_step:
             return self._step(closure)
@@ -453,7 +513,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             self.clipper.reset()
             self.contract.discard()
             for module in self.contract.modules:
-                module._grad_sample_ticket = None
+                module.discard_unflushed_passes()
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def discard_logical_step(self) -> None:
@@ -463,13 +523,13 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             if getattr(param, "grad_sample", None) is not None:
                 param.grad_sample = None
         for module in self.contract.modules:
-            module._grad_sample_ticket = None
+            module.discard_unflushed_passes()
         self.clipper.reset()
         self.contract.discard()
         self._skip_next_step = False
         self._in_logical_step = False
 
-    # ------------------------------------------------------------------ step hooks (Opacus's extension point)
+    # ------------------------------------------------------------------ step hooks
     def attach_step_hook(self, hook: Callable[[DPOptimizer], None]) -> None:
         """Call ``hook(optimizer)`` after every released step: once its private gradient is in
         ``.grad`` (noised, divided by the expected batch size) and recorded, before the wrapped

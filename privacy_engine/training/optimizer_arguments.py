@@ -2,13 +2,14 @@
 
 Each check raises before the optimizer exists, so a refused configuration never trains: an optimizer
 that re-evaluates the loss (LBFGS), a noise multiplier or expected batch size out of range, unclipped
-gradients with noise (no finite noise makes them private), an accountant without a sample rate.
+gradients with noise (no finite noise makes them private), an accountant without a sample rate. The
+settings themselves (``noise_multiplier``, ``max_grad_norm``, ``loss_reduction``,
+``expected_batch_size``) are checked by their one function in ``privacy_engine.settings_checks``, the
+one ``make_private``'s options call.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,16 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from privacy_engine.capture import LOSS_REDUCTIONS
+from accountants.events import EventSpec
 from privacy_engine.clipping import MaxGradNorm, PerSampleGradientClipper
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.settings_checks import (
+    check_expected_batch_size,
+    check_no_seed_for_given_noise,
+    check_noise_multiplier,
+    check_noise_std,
+)
+from privacy_engine.settings_checks import check_loss_reduction as check_loss_reduction_setting
 
 __all__ = [
     "build_clipper",
@@ -37,19 +45,6 @@ def trainable_parameters(optimizer: Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
-def check_noise_multiplier(noise_multiplier: Any) -> float:
-    """``noise_multiplier`` as a float; ``TypeError`` unless a real number (bools refused),
-    ``ValueError`` unless finite and >= 0 (0: no noise, no privacy)."""
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
-        raise TypeError(f"noise_multiplier must be a real number >= 0; got {noise_multiplier!r}")
-    value = float(noise_multiplier)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"noise_multiplier must be finite and >= 0 (0: no noise, no privacy); got {noise_multiplier!r}"
-        )
-    return value
-
-
 def check_wrapped_optimizer(optimizer: Any) -> None:
     """``TypeError`` unless ``optimizer`` is a first-order ``torch.optim.Optimizer``: LBFGS
     re-evaluates the loss several times per step, each evaluation needing its own noise."""
@@ -63,17 +58,9 @@ def check_wrapped_optimizer(optimizer: Any) -> None:
 
 
 def check_loss_reduction(loss_reduction: str, expected_batch_size: Any) -> None:
-    """``loss_reduction`` must be one of ``LOSS_REDUCTIONS``; with ``"mean"``, the expected batch size
-    (the divisor of the noisy sum) must be a finite number > 0."""
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}; got {loss_reduction!r}")
-    if loss_reduction == "mean":
-        if expected_batch_size is None:
-            raise ValueError("expected_batch_size is needed for loss_reduction='mean' (the noisy sum is divided by it)")
-        if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, numbers.Real):
-            raise TypeError(f"expected_batch_size must be a number > 0; got {expected_batch_size!r}")
-        if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
-            raise ValueError(f"expected_batch_size must be finite and > 0; got {expected_batch_size!r}")
+    """``loss_reduction`` (``"mean"`` or ``"sum"``) and, with ``"mean"``, the expected batch size
+    that divides the noisy sum (a finite number > 0): each by its one check."""
+    check_expected_batch_size(expected_batch_size, loss_reduction=check_loss_reduction_setting(loss_reduction))
 
 
 def build_clipper(
@@ -98,21 +85,17 @@ def build_noise(noise: NoiseMechanism | None, noise_seed: int | None, secure_mod
     """The given noise mechanism, or the default ``GaussianNoise(seed=noise_seed, secure_mode=...)``."""
     if noise is None:
         noise = GaussianNoise(seed=noise_seed, secure_mode=secure_mode)
-    elif noise_seed is not None:
-        raise ValueError("noise_seed is for the default noise; seed the noise mechanism you pass instead")
+    else:
+        check_no_seed_for_given_noise(noise_seed)
     if not isinstance(noise, NoiseMechanism):
         raise TypeError(f"noise must be a NoiseMechanism; got {type(noise).__name__}")
     return noise
 
 
 def check_sensitivity(noise_multiplier: float, clipper: PerSampleGradientClipper) -> None:
-    """``ValueError`` for noise on unclipped gradients (infinite sensitivity): no finite noise makes
-    them private."""
-    if noise_multiplier > 0 and not math.isfinite(clipper.sensitivity):
-        raise ValueError(
-            "max_grad_norm is inf (no clipping) with noise_multiplier > 0: no finite noise makes "
-            "unclipped gradients private. Set a finite max_grad_norm, or noise_multiplier=0."
-        )
+    """``ValueError`` for noise on unclipped gradients (infinite sensitivity: no finite noise makes
+    them private) or a noise std that overflows; ``check_noise_std``, as the noise mechanism applies it."""
+    check_noise_std(noise_multiplier, clipper.sensitivity)
 
 
 def check_accounting(
@@ -120,17 +103,19 @@ def check_accounting(
     accountant: Any | None,
     sample_rate: float | None,
     noise_multiplier: float,
-    num_bands: int,
+    privacy_event: EventSpec,
     padding_mask_source: Callable[[], torch.Tensor | None] | None,
     budget: Any | None,
 ) -> None:
-    """The accountant must accept what every step will record (checked by a step of 0 steps, which
-    records nothing); a budget needs an accountant to check."""
+    """The accountant must accept what every step will record: the noise mechanism's stated event
+    (``privacy_event``) at ``noise_multiplier`` and ``sample_rate``, checked by a step of 0 steps,
+    which records nothing; a budget needs an accountant to check."""
     if accountant is not None:
         if sample_rate is None:
             raise ValueError("sample_rate is needed with an accountant (it is recorded with every step)")
         # Validates the arguments the accountant will receive, recording nothing.
-        accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0, num_bands=num_bands)
+        accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=0,
+                        **privacy_event.step_kwargs())  # fmt: skip
     if padding_mask_source is not None and not callable(padding_mask_source):
         raise TypeError("padding_mask_source must be a callable returning a bool tensor or None")
     if budget is not None and (accountant is None or not callable(getattr(budget, "check_release", None))):

@@ -76,7 +76,7 @@ class ParameterSync:
         clipper = self._clipper_over(active)
         for module in self.contract.modules:
             if hasattr(module, "attach_clipper"):
-                module.attach_clipper(clipper, padding_mask_source=module._padding_mask_source)
+                module.attach_clipper(clipper, padding_mask_source=module.padding_mask_source)
         clipper.grad_scaler = self.clipper.grad_scaler
         self.noise.restart_layout()
         self.clipper = clipper

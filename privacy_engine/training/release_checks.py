@@ -4,8 +4,10 @@ Every check raises before any noise is drawn or any step counted: data the priva
 draw (untagged and unrecognised, another loader's batch, a joined batch holding drawn rows), gradients
 without per-sample contributions (eval mode, unwrapped model), a step with no new batch since the last
 one, parameters another optimizer changed, several loader batches in one BandMF or truncated-sampling
-step, and a batch released after a later BandMF noise row. For BandMF, a release also says how many noise rows it
-advances: one per loader step since the last release, so each batch gets the row of its own step.
+step, and a batch released after a later BandMF noise row. For a mechanism that needs cyclic sampling
+(``num_bands`` > 1 in its stated event: BandMF), a release also says how many noise rows it advances: one per
+loader step since the last release, so each batch gets the row of its own step. What the accountant records is
+the event the noise mechanism states (``NoiseMechanism.privacy_event``), at this release's sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from privacy_engine.training.step_contract import Release
 
 if TYPE_CHECKING:
+    from accountants.events import EventSpec
     from privacy_engine.clipping import PerSampleGradientClipper
     from privacy_engine.noise import NoiseMechanism
     from privacy_engine.training.step_contract import StepContract
@@ -35,12 +38,16 @@ class ReleaseChecks:
     noise: NoiseMechanism
     noise_multiplier: float
     num_bands: int
+    privacy_event: EventSpec
     sample_rate: float | None
     source: str
 
     def _accounting_kwargs(self, release: Release, rows: int) -> dict[str, Any]:
+        """What the accountant records for this release: the mechanism's stated event (its kind, bands
+        and parameters, ``NoiseMechanism.privacy_event``) at this noise multiplier and sampling."""
         kwargs: dict[str, Any] = {
-            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "num_bands": self.num_bands,
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            **self.privacy_event.step_kwargs(),
         }  # fmt: skip
         if rows != 1:
             kwargs["num_steps"] = rows
@@ -81,7 +88,7 @@ class ReleaseChecks:
         if release.num_draws > 1 and (self.num_bands > 1 or getattr(self.accountant, "max_batch_size", None)):
             raise RuntimeError(
                 f"this step accumulated {release.num_draws} batches of the private loader: BandMF and truncated "
-                f"sampling release one batch per step. Use VirtualSteps (BatchMemoryManager) to split one batch "
+                f"sampling release one batch per step. Use VirtualSteps to split one batch "
                 f"into micro-batches instead."
             )
         loader_step = release.loader_step

@@ -1,6 +1,6 @@
 """A private loader given to ``make_private`` again.
 
-Opacus scripts do this on a second run or a second model: ``make_private`` returns a
+A script does this on a second run or a second model (as Opacus allows): ``make_private`` returns a
 ``DPDataLoader`` that the script keeps in the variable it passes to the next call. The engine plans
 its sampling from a plain loader (dataset, batch size, sampler), so the private loader is first
 turned back into the plain loader it stands for.

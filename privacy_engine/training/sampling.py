@@ -24,31 +24,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from privacy_engine.noise.secure_random import is_secure_generator, secure_permutation, secure_randint, secure_uniform
+from privacy_engine.settings_checks import check_count, check_sample_rate
 
 __all__ = ["CyclicPoissonBatchSampler", "PoissonBatchSampler", "ShuffledBatches"]
-
-
-def _positive_int(value: Any, name: str, hint: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
-    return int(value)
-
-
-def _validated_sample_rate(sample_rate: Any, name: str = "sample_rate") -> float:
-    try:
-        rate = float(sample_rate)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{name} must be a number in (0, 1], got {sample_rate!r}") from error
-    if not (0.0 < rate <= 1.0):
-        raise ValueError(
-            f"{name} must be in (0, 1] (the probability that an example is in a batch), got {rate}"
-        )
-    return rate
 
 
 def _validated_generator(generator: Any) -> torch.Generator | None:
@@ -157,12 +139,12 @@ class PoissonBatchSampler(_DPBatchSampler):
         generator: torch.Generator | None = None,
         indices: Any = None,
     ) -> None:
-        self.num_samples = _positive_int(num_samples, "num_samples")
-        self.sample_rate = _validated_sample_rate(sample_rate)
+        self.num_samples = check_count("num_samples", num_samples)
+        self.sample_rate = check_sample_rate(sample_rate)
         self.generator = _validated_generator(generator)
         self.indices = _validated_indices(indices, self.num_samples)
         default_steps = max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        super().__init__(default_steps if steps is None else check_count("steps", steps))
 
     @property
     def population(self) -> int:
@@ -171,6 +153,7 @@ class PoissonBatchSampler(_DPBatchSampler):
 
     @property
     def expected_batch_size(self) -> float:
+        """``q * population``: what the noisy sum is divided by (never the realised batch size)."""
         return self.sample_rate * self.population
 
     def _draw(self, step: int) -> tuple[list[int], None]:
@@ -236,22 +219,22 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
         max_batch_size: int | None = None,
         indices: Any = None,
     ) -> None:
-        self.num_samples = _positive_int(num_samples, "num_samples")
-        self.num_groups = _positive_int(num_groups, "num_groups")
+        self.num_samples = check_count("num_samples", num_samples)
+        self.num_groups = check_count("num_groups", num_groups)
         self.indices = _validated_indices(indices, self.num_samples)
         if self.num_groups > self.indices.numel():
             raise ValueError(
                 f"num_groups={self.num_groups} exceeds the dataset size {self.num_samples}: every "
                 "group needs examples; use at most as many groups (bands) as examples"
             )
-        self.sample_rate = _validated_sample_rate(sample_rate)
+        self.sample_rate = check_sample_rate(sample_rate)
         self.generator = _validated_generator(generator)
         self.public_size = bool(public_size)
         self.max_batch_size = (
-            None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
+            None if max_batch_size is None else check_count("max_batch_size", max_batch_size)
         )
         default_steps = self.num_groups * max(1, round(1.0 / self.sample_rate))
-        super().__init__(default_steps if steps is None else _positive_int(steps, "steps"))
+        super().__init__(default_steps if steps is None else check_count("steps", steps))
         population = self.indices.numel()
         if self.public_size:
             secure = is_secure_generator(self.generator)
@@ -302,6 +285,8 @@ class CyclicPoissonBatchSampler(_DPBatchSampler):
         return {"groups": [g.clone() for g in self.groups], "next_step": self._next_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s groups and step; ``ValueError`` if it holds another number of
+        groups or examples."""
         groups = [torch.as_tensor(g, dtype=torch.long) for g in state["groups"]]
         if len(groups) != self.num_groups or sum(g.numel() for g in groups) != self.population:
             raise ValueError(
@@ -336,8 +321,8 @@ class ShuffledBatches:
     batches_per_epoch: int
 
     def __post_init__(self) -> None:
-        _positive_int(self.batch_size, "batch_size")
-        _positive_int(self.batches_per_epoch, "batches_per_epoch")
+        check_count("batch_size", self.batch_size)
+        check_count("batches_per_epoch", self.batches_per_epoch)
 
     @property
     def sample_rate(self) -> float:

@@ -7,9 +7,13 @@ clear error before anything is released or counted.
 
 How the pieces meet:
 
+- ``privacy_engine.connect_private(module, optimizer, data_loader)`` connects one wrapper, one
+  ``DPOptimizer`` and one private loader, for good (``make_private`` calls it on what it builds; a
+  hand-built pipeline calls it once). Nothing connects by itself: building a wrapper or an optimizer
+  binds nothing, and there is no registry of live ones.
 - The private loader (``DPDataLoader``) issues a ``BatchTicket`` for every batch it yields: the draw's
   global step index, its cyclic group and its padding mask. The ticket is attached to the tensors of
-  the batch (``tag_batch``) and queued on the loader (both in ``privacy_engine.training.batch_tickets``).
+  the batch (``tag_batch``) and queued on the loader (both in ``privacy_engine.batches.tickets``).
 - The wrapped module asks ``StepContract.resolve`` at every training forward which batch it is running
   on, identified exactly, never by its size: the ticket on its input tensors (valid until the tensor is
   modified in place), or on the tagged batch they are views of (row slices, ``x.split(n)``, reshapes
@@ -18,7 +22,8 @@ How the pieces meet:
   batches of this optimizer's own loader (the copy is then tagged). A backward pass is clipped with the
   padding mask of its own batch, so the mask travels with the batch whatever the iteration order.
 - Every ticket knows its loader (``BatchTicket.origin``); an optimizer has one loader
-  (``attach_loader``; a hand-built one adopts the loader of the first drawn batch it trains on) and
+  (``connect_private``'s ``data_loader``; connected without one, it adopts the loader of the first drawn
+  batch it trains on) and
   releases only that loader's draws: a batch of another loader is untracked, so refused at ``step()``.
 - A backward pass's per-sample contributions are clipped on their own unless they come from the same
   batch (same examples) as the previous pass, in which case they are summed per example first
@@ -42,6 +47,11 @@ two backward passes over the same batch     hooks: summed per example, then clip
 a parameter unfrozen / frozen mid-run       the private set is read at every forward and step: a newly
                                             trainable parameter is clipped and noised (the noise
                                             layout restarts), a newly frozen one gets no update
+wrapper not connected (a hand-built         ``RuntimeError`` at ``step()`` (or when its per-sample
+wrapper and ``DPOptimizer`` without         gradients would be clipped), naming
+``connect_private``)                        ``privacy_engine.connect_private``: nothing released or
+                                            counted. ``grad_sample`` set by hand on parameters no
+                                            wrapper holds (a bare optimizer) is released as before
 model in ``eval()`` or unwrapped, then      ``RuntimeError`` at ``step()``: gradients exist without
 backward + step                             per-sample contributions; nothing released or counted
 another optimizer stepped the parameters    ``RuntimeError`` at the next forward or step
@@ -91,7 +101,7 @@ from typing import Any
 
 import torch
 
-from privacy_engine.training.batch_tickets import (
+from privacy_engine.batches.tickets import (
     RECENT_BATCHES,
     BatchTicket,
     LoaderOrigin,
@@ -103,34 +113,7 @@ from privacy_engine.training.batch_tickets import (
     tag_tensor,
 )
 
-__all__ = ["Release", "StepContract", "forget_wrapper", "register_optimizer", "register_wrapper"]
-
-
-# ---------------------------------------------------------------------------------------------- binding
-# Live wrappers (GradSampleModule) and private optimizers (DPOptimizer): whichever is built second binds
-# to the other, so a hand-built pair follows the contract as the engine's does.
-_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
-_OPTIMIZERS: list[weakref.ref] = []  # in creation order: the newest matching optimizer binds last (wins)
-
-
-def register_wrapper(wrapper: Any) -> None:
-    _WRAPPERS.add(wrapper)
-    _OPTIMIZERS[:] = [ref for ref in _OPTIMIZERS if ref() is not None]
-    for ref in list(_OPTIMIZERS):
-        optimizer = ref()
-        if optimizer is not None:
-            optimizer._bind_if_ours(wrapper)
-
-
-def register_optimizer(optimizer: Any) -> None:
-    _OPTIMIZERS[:] = [ref for ref in _OPTIMIZERS if ref() is not None]
-    _OPTIMIZERS.append(weakref.ref(optimizer))
-    for wrapper in list(_WRAPPERS):
-        optimizer._bind_if_ours(wrapper)
-
-
-def forget_wrapper(wrapper: Any) -> None:
-    _WRAPPERS.discard(wrapper)
+__all__ = ["Release", "StepContract"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -172,10 +155,12 @@ class Release:
 
     @property
     def num_draws(self) -> int:
+        """The number of distinct draws of the loader whose contributions the step releases."""
         return len(self.draws)
 
     @property
     def loader_step(self) -> int | None:
+        """The latest loader step among the released draws (None if no contribution came from a draw)."""
         steps = [t.loader_step for t in self.draws if t.loader_step is not None]
         return max(steps) if steps else None
 
@@ -226,18 +211,34 @@ class StepContract:
         self._queues.append(queue)
 
     def attach_module(self, module: Any) -> None:
+        """Make ``module`` the wrapper whose passes this optimizer releases (``connect_private`` does it, once);
+        ``ValueError`` if another wrapper already is."""
+        if any(existing is not module for existing in self._modules):
+            raise ValueError(
+                "this optimizer is already connected to another wrapper: one optimizer releases the per-sample "
+                "gradients of one wrapper (privacy_engine.connect_private)."
+            )
         self._modules.add(module)
 
     @property
+    def has_contributions(self) -> bool:
+        """Whether a backward pass contributed to the open step (see ``contributed``)."""
+        return bool(self._contributions)
+
+    @property
     def has_loader(self) -> bool:
+        """Whether a private loader is attached (``attach_queue``): then ``step()`` refuses untracked batches."""
         return bool(self._queues)
 
     @property
     def origin(self) -> LoaderOrigin | None:
+        """The loader whose draws this optimizer releases: the attached one, else the one adopted from the
+        first drawn batch a hand-built optimizer trained on, else None."""
         return self._queues[0].origin if self._queues else self._adopted_origin
 
     @property
     def modules(self) -> list:
+        """The wrappers attached (``attach_module``; at most one), as a new list."""
         return list(self._modules)
 
     # ---------------------------------------------------------------------------------------- forward
@@ -420,7 +421,7 @@ class StepContract:
         self._version_snapshot = versions
 
     def _pending_grad_samples(self) -> bool:
-        return any(getattr(module, "_grad_sample_ticket", None) is not None for module in self._modules)
+        return any(module.has_unflushed_passes for module in self._modules)
 
     # ---------------------------------------------------------------------------------------- backward
     def contributed(self, ticket: BatchTicket) -> None:
@@ -429,6 +430,9 @@ class StepContract:
         self._new_batch = True
 
     def already_contributed(self, ticket: BatchTicket) -> bool:
+        """Whether a backward pass over exactly ``ticket``'s rows (same draw, same rows) already contributed to
+        the open step (fast clipping refuses a second pass over the same rows: it would clip each example
+        twice)."""
         return any(t.same_rows(ticket) for t in self._contributions)
 
     # ---------------------------------------------------------------------------------------- step
@@ -479,13 +483,24 @@ class StepContract:
         self._noise_only_draw = ticket
         return ticket
 
-    def released(self, release: Release, loader_step: int | None) -> None:
-        """Forget the open step's contributions after a release (or a discarded logical step)."""
+    def released_draws_after(self, release: Release) -> collections.deque:
+        """The window of released draws once ``release`` is released, built without changing anything: the
+        optimizer builds it before the accountant records the step, so that nothing can raise after the record."""
+        draws = [ticket.draw for ticket in release.draws]
+        if self._noise_only_draw is not None:
+            draws.append(self._noise_only_draw.draw)
+        return collections.deque([*self._released_draws, *draws], maxlen=self._released_draws.maxlen)
+
+    def released(
+        self, release: Release, loader_step: int | None, released_draws: collections.deque | None = None
+    ) -> None:
+        """Forget the open step's contributions after a release. Given ``released_draws`` (from
+        ``released_draws_after``), only plain assignments remain: it cannot raise after a recorded step."""
+        if released_draws is None:
+            released_draws = self.released_draws_after(release)
         self._contributions = []
         self._version_snapshot = None
-        self._released_draws.extend(ticket.draw for ticket in release.draws)
-        if self._noise_only_draw is not None:
-            self._released_draws.append(self._noise_only_draw.draw)
+        self._released_draws = released_draws
         self._noise_only_draw = None
         self._forwarded_draw = None
         self._pending_inputs = ()
@@ -494,5 +509,7 @@ class StepContract:
             self.last_released_step = loader_step
 
     def discard(self) -> None:
+        """Drop the open step's contributions without releasing them: nothing of them is released or counted,
+        and their draws are not marked released."""
         self._contributions = []
         self._version_snapshot = None

@@ -11,7 +11,8 @@ parameters updated once per logical batch, exactly as if the whole batch had fit
             loss_fn(model(x), y).backward()
             optimizer.step()
 
-``BatchMemoryManager`` is the same class under Opacus's name (same keyword arguments).
+The keyword arguments are those of Opacus's ``BatchMemoryManager`` (a script switches by renaming
+the class).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from privacy_engine.training.batch_tickets import find_ticket, tag_batch
+from privacy_engine.batches.tickets import find_ticket, tag_batch
 from privacy_engine.training.optimizer import DPOptimizer
 
-__all__ = ["BatchMemoryManager", "VirtualSteps", "batch_size_of", "split_batch"]
+__all__ = ["VirtualSteps", "batch_size_of", "split_batch"]
 
 
 def batch_size_of(batch: Any) -> int:
@@ -171,5 +172,3 @@ class VirtualSteps:
                 )
                 self.optimizer.discard_logical_step()
 
-
-BatchMemoryManager = VirtualSteps

@@ -3,7 +3,10 @@ gated linear maps (the three row blocks of ``in_proj_weight`` are disjoint, so t
 attention itself as in ``F.multi_head_attention_forward``. Calls the decomposition does not cover
 (bias_k/bias_v, add_zero_attn, unusual shapes or masks) go to the ``torch.func`` fallback.
 
-``AttentionDecomposition`` is a mixin of ``GhostClippingModule``.
+``AttentionDecomposition`` is a mixin of ``GhostClippingModule``. It reads ``_flags.inside_fallback`` and
+feeds the batch-size bookkeeping (``_note_batch_size``); its gated pieces go through the gate
+(``GatedLayers._gate_output``, which adds each call to ``_passes.pending``) and other calls through the
+fallback (``_fallback_call``). It keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grad_samplers.linear import linear_squared_norms, linear_weighted_sums
+from privacy_engine.capture.patched_forward import PatchedForward
 from privacy_engine.clipping.ghost.uses import Rows, Use
 
 __all__ = ["AttentionDecomposition"]
@@ -24,28 +28,32 @@ class AttentionDecomposition:
     """Mixin: the gated form of ``nn.MultiheadAttention``."""
 
     def _patch_attention(self, path: str, attention: nn.MultiheadAttention) -> None:
-        original = attention.forward
+        # A PatchedForward, not a closure: the wrapped model stays picklable (torch.save).
+        attention.forward = PatchedForward(self._attention_forward, path, attention, attention.forward)
 
-        def forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                    average_attn_weights=True, is_causal=False):
-            call = (query, key, value)
-            options = {
-                "key_padding_mask": key_padding_mask,
-                "need_weights": need_weights,
-                "attn_mask": attn_mask,
-                "average_attn_weights": average_attn_weights,
-                "is_causal": is_causal,
-            }
-            if self._inside_fallback or not (attention.training and torch.is_grad_enabled()):
-                return original(*call, **options)
-            params = {name: p for name, p in attention.named_parameters() if p.requires_grad}
-            if not params:
-                return original(*call, **options)
-            if not _attention_decomposable(attention, query, key, value, key_padding_mask, attn_mask):
-                return self._fallback_call(path, attention, original, call, options, params)
-            return self._attention_call(path, attention, query, key, value, **options)
+    def _attention_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
+        return self._decomposed_attention(patched.path, patched.module, patched.original, *args, **kwargs)
 
-        attention.forward = forward
+    def _decomposed_attention(self, path: str, attention: nn.MultiheadAttention, original, query, key, value,
+                              key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
+                              is_causal=False):  # fmt: skip
+        """``attention``'s forward (``nn.MultiheadAttention``'s signature): decomposed in training mode."""
+        call = (query, key, value)
+        options = {
+            "key_padding_mask": key_padding_mask,
+            "need_weights": need_weights,
+            "attn_mask": attn_mask,
+            "average_attn_weights": average_attn_weights,
+            "is_causal": is_causal,
+        }
+        if self._flags.inside_fallback or not (attention.training and torch.is_grad_enabled()):
+            return original(*call, **options)
+        params = {name: p for name, p in attention.named_parameters() if p.requires_grad}
+        if not params:
+            return original(*call, **options)
+        if not _attention_decomposable(attention, query, key, value, key_padding_mask, attn_mask):
+            return self._fallback_call(path, attention, original, call, options, params)
+        return self._attention_call(path, attention, query, key, value, **options)
 
     def _gated_linear(self, path: str, layer: nn.Module, inputs: torch.Tensor, weight: nn.Parameter,
                       bias: nn.Parameter | None, weight_rows: Rows, bias_rows: Rows) -> torch.Tensor:

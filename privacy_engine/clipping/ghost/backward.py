@@ -4,7 +4,12 @@ kept, whichever is smaller), and at the end of the pass (a callback queued on th
 the clip factors from the clipper's rule and each layer's clipped sum ``sum_i f_i g_i``, handed to the
 clipper's accumulator.
 
-``BackwardPasses`` is a mixin of ``GhostClippingModule``.
+``BackwardPasses`` is a mixin of ``GhostClippingModule``. It reads and writes ``_passes``
+(``uses.GhostPasses``: takes the pending calls, keeps the pass in progress, consumes the padding mask),
+reads ``_clipping`` (``uses.ClipperLink``), ``per_sample_memory_ratio``, ``loss_reduction``, ``_module``
+and the step binding (``_consumer``, ``_forward_ticket``, ``_check_live``); it tells the
+binding that the forward's backward has run (``_backward_finished_by_clipping``), writes ``last_per_sample_norms``
+and hands the sums to the clipper.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ class BackwardPasses:
     """Mixin: per-example norms during backward, clipped sums at its end."""
 
     def _current_pass(self) -> BackwardPass:
-        if self._pass is None:
-            live = [use for use in list(self._pending) if not use.consumed]
-            self._pass = BackwardPass(shared_parameters(live))
+        passes = self._passes
+        if passes.current is None:
+            live = [use for use in list(passes.pending) if not use.consumed]
+            passes.current = BackwardPass(shared_parameters(live))
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
-        return self._pass
+        return passes.current
 
     def _on_output_grad(self, use: Use, grads: torch.Tensor) -> None:
         self._check_live(use.generation)
@@ -97,17 +103,18 @@ class BackwardPasses:
         state.add_materialised(param, None, grads)
 
     def _finish_pass(self) -> None:
-        self._awaiting_backward = False
-        state, self._pass = self._pass, None
-        padding_mask, self._padding_mask = self._padding_mask, None
+        self._backward_finished_by_clipping()
+        passes, link = self._passes, self._clipping
+        state, passes.current = passes.current, None
+        padding_mask, passes.padding_mask = passes.padding_mask, None
         if state is None or state.batch is None:
             return
         ticket = self._forward_ticket if self._consumer is not None else None
         if padding_mask is None and ticket is not None and ticket.tracked:
             padding_mask = ticket.mask()  # the mask travels with this pass's own batch
-        elif padding_mask is None and self._padding_mask_source is not None:
-            padding_mask = self._padding_mask_source()
-        clipper = self._clipper
+        elif padding_mask is None and link.padding_mask_source is not None:
+            padding_mask = link.padding_mask_source()
+        clipper = link.clipper
         batch_size = state.batch[1]
         if padding_mask is not None and tuple(padding_mask.shape) != (batch_size,):
             raise ValueError(
@@ -129,7 +136,7 @@ class BackwardPasses:
             weights = factors * scale
             sums = _clipped_sums(state, clipper, weights, drop_non_finite)
             self.last_per_sample_norms = norms
-            if self._clipper_takes_ownership:
+            if link.takes_ownership:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
             else:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)

@@ -4,7 +4,9 @@ parameters as inputs. In backward the gate hands the output gradient ``G`` to th
 (``GhostClippingModule._on_output_grad``) and returns nothing for the parameters: the graph still
 reaches earlier layers through the input, but the ordinary weight-gradient product is never computed.
 
-``GatedLayers`` is a mixin of ``GhostClippingModule``.
+``GatedLayers`` is a mixin of ``GhostClippingModule``. Its forwards read ``_flags.inside_fallback``,
+``_batch_dim`` and ``_generation``, feed the batch-size bookkeeping, and add each gated call to
+``_passes.pending``; it keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from grad_samplers import norm_sampler_for, weighted_sum_sampler_for
 from grad_samplers.registry import GradSampler
 from privacy_engine.capture.batch_size import expand_batch
+from privacy_engine.capture.patched_forward import PatchedForward
 from privacy_engine.clipping.ghost.uses import Use, in_float32
 from privacy_engine.models.validation import module_label
 
@@ -76,7 +79,7 @@ class GatedLayers:
 
     def _gate(self, use: Use, output: torch.Tensor, in_place: bool) -> torch.Tensor:
         use.generation = self._generation
-        self._pending.add(use)
+        self._passes.pending.add(use)
         params = tuple(param for param, _ in use.parts)
         return _OutputGate.apply(partial(self._on_output_grad, use), in_place, output, *params)
 
@@ -100,61 +103,67 @@ class GatedLayers:
         return self._gate(use, output, False)
 
     def _patch_gated(self, path: str, layer: nn.Module, sampler: GradSampler) -> None:
-        original = layer.forward
+        # A PatchedForward, not a closure: the wrapped model stays picklable (torch.save).
+        layer.forward = PatchedForward(self._gated_forward, path, layer, layer.forward, sampler=sampler)
+
+    @staticmethod
+    def _gate_samplers(layer: nn.Module, sampler: GradSampler) -> tuple:
+        """(norms, sums, grads) of ``layer``: its samplers bound to it, in float32 at least (see in_float32);
+        norms and sums None without a norm form."""
         norm_sampler = norm_sampler_for(layer)
         sum_sampler = weighted_sum_sampler_for(layer)
-        plain_linear = type(layer) is nn.Linear
-        safe_type = type(layer) in _OUTPUT_NOT_SAVED
         has_norm_form = norm_sampler is not None and sum_sampler is not None
-        # Norms, sums and materialised gradients in float32 at least (see in_float32).
         norms = in_float32(partial(norm_sampler, layer)) if has_norm_form else None
         sums = in_float32(partial(sum_sampler, layer)) if has_norm_form else None
-        grads = in_float32(partial(sampler, layer))
+        return norms, sums, in_float32(partial(sampler, layer))
 
-        def forward(*args, **kwargs):
-            if self._inside_fallback or not (layer.training and torch.is_grad_enabled()):
-                return original(*args, **kwargs)
-            own = layer._parameters
-            trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
-            if not trainable:
-                return original(*args, **kwargs)
-            if kwargs:
-                bound = inspect.signature(original).bind(*args, **kwargs)
-                bound.apply_defaults()
-                args, kwargs = tuple(bound.arguments.values()), {}
-            if plain_linear and len(args) == 1:
-                bias = layer.bias
-                output = F.linear(args[0], layer.weight.detach(), None if bias is None else bias.detach())
-            else:
-                try:
-                    for name, param in trainable:
-                        own[name] = param.detach()
-                    output = original(*args)
-                finally:
-                    for name, param in trainable:
-                        own[name] = param
-            if not isinstance(output, torch.Tensor):
-                raise TypeError(
-                    f"ghost clipping: {module_label(path, layer)} returned "
-                    f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
-                )
-            self._check_called_through_wrapper(path)
-            broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
-            activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            if broadcast_to is not None:
-                # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
-                # gate, so that G arrives per example.
-                activations = self._broadcast_activations(path, layer, activations, broadcast_to)
-                output = expand_batch(output, self._batch_dim, broadcast_to)
-            use = Use(
-                path=path,
-                layer=layer,
-                parts=tuple((param, None) for _, param in trainable),
-                activations=activations,
-                norms=norms,
-                sums=sums,
-                grads=grads,
+    def _gated_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
+        """The forward of a sampled layer (``patched.module``): its output through the gate."""
+        path, layer, original = patched.path, patched.module, patched.original
+        if self._flags.inside_fallback or not (layer.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        own = layer._parameters
+        trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
+        if not trainable:
+            return original(*args, **kwargs)
+        if patched.derived is None:
+            patched.derived = self._gate_samplers(layer, patched.context["sampler"])
+        norms, sums, grads = patched.derived
+        if kwargs:
+            bound = inspect.signature(original).bind(*args, **kwargs)
+            bound.apply_defaults()
+            args, kwargs = tuple(bound.arguments.values()), {}
+        if type(layer) is nn.Linear and len(args) == 1:
+            bias = layer.bias
+            output = F.linear(args[0], layer.weight.detach(), None if bias is None else bias.detach())
+        else:
+            try:
+                for name, param in trainable:
+                    own[name] = param.detach()
+                output = original(*args)
+            finally:
+                for name, param in trainable:
+                    own[name] = param
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"ghost clipping: {module_label(path, layer)} returned "
+                f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
             )
-            return self._gate_output(use, output, safe_type, args)
-
-        layer.forward = forward
+        self._check_called_through_wrapper(path)
+        broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+        activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if broadcast_to is not None:
+            # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
+            # gate, so that G arrives per example.
+            activations = self._broadcast_activations(path, layer, activations, broadcast_to)
+            output = expand_batch(output, self._batch_dim, broadcast_to)
+        use = Use(
+            path=path,
+            layer=layer,
+            parts=tuple((param, None) for _, param in trainable),
+            activations=activations,
+            norms=norms,
+            sums=sums,
+            grads=grads,
+        )
+        return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args)

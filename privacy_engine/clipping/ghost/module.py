@@ -55,6 +55,7 @@ import math
 import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -65,8 +66,7 @@ from privacy_engine.capture.module import GradSampleModule
 from privacy_engine.clipping.ghost.attention import AttentionDecomposition
 from privacy_engine.clipping.ghost.backward import BackwardPasses
 from privacy_engine.clipping.ghost.gate import GatedLayers
-from privacy_engine.clipping.ghost.uses import BackwardPass, Use
-from privacy_engine.training.step_contract import register_wrapper
+from privacy_engine.clipping.ghost.uses import ClipperLink, GhostPasses, Use
 
 __all__ = ["GhostClippingModule"]
 
@@ -116,7 +116,17 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     Attributes:
         last_per_sample_norms: the unclipped per-example norms ``(batch, num_groups)`` of the last
             backward pass (diagnostics; computed from the data, not private).
+
+    State: the base wrapper's (``capture.state``) plus ``_passes`` (``GhostPasses``: pending calls, the pass
+    in progress, the next pass's padding mask) and ``_clipping`` (``ClipperLink``: where the sums go), both
+    declared in ``clipping.ghost.uses`` with which part writes and reads them. The parts: ``GatedLayers``
+    (gate.py) and ``AttentionDecomposition`` (attention.py) install the forwards (through ``_attach``, the
+    base's construction extension point), ``BackwardPasses`` (backward.py) handles the passes.
     """
+
+    #: Backward never writes ``.grad`` here, so the base's first-backward check has nothing to compare;
+    #: instead a hook per trainable parameter refuses any gradient (``_reject_gradient``).
+    checks_parameter_usage: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -131,23 +141,29 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
         ratio = float(per_sample_memory_ratio)
         if math.isnan(ratio) or ratio < 0:
             raise ValueError(f"per_sample_memory_ratio must be >= 0 (inf: always keep); got {per_sample_memory_ratio!r}")
-        self.per_sample_memory_ratio = ratio
-        # Set before the base class attaches (it calls self._attach for every layer).
-        self._pending: weakref.WeakSet[Use] = weakref.WeakSet()
-        self._pass: BackwardPass | None = None
-        self._clipper = None
-        self._padding_mask: torch.Tensor | None = None
-        self._padding_mask_source: Callable[[], torch.Tensor | None] | None = None
-        self.last_per_sample_norms: torch.Tensor | None = None
         super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-        # The base class's first-backward usage check compares .grad with per-sample sums; here .grad
-        # is never written by backward, so a hook per parameter rejects any gradient instead.
-        self._check_state = "done"
+        self.per_sample_memory_ratio = ratio
+        self._passes = GhostPasses()
+        self._clipping: ClipperLink | None = None  # until attach_clipper
+        self.last_per_sample_norms: torch.Tensor | None = None
         for name, param in module.named_parameters():
             if param.requires_grad:
-                self._handles.append(param.register_hook(partial(self._reject_gradient, name)))
+                self._tables.handles.append(param.register_hook(partial(self._reject_gradient, name)))
         if clipper is not None:
             self.attach_clipper(clipper)
+
+    def __getstate__(self) -> dict:
+        """Pickle (``torch.save(model)``) without what belongs to the training run, as the base wrapper leaves
+        out its binding: the passes (weak references to live graphs, the pass in progress) and the clipper
+        link (the optimizer's clipper and padding-mask source). A loaded wrapper has no clipper: its eval and
+        no-grad forwards run, a training forward asks for ``attach_clipper``."""
+        state = super().__getstate__()
+        state.update(_passes=None, _clipping=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._passes = GhostPasses()
 
     # ------------------------------------------------------------------ configuration
     def attach_clipper(self, clipper, *, padding_mask_source: Callable[[], torch.Tensor | None] | None = None) -> None:
@@ -172,15 +188,29 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
             )
         if padding_mask_source is not None and not callable(padding_mask_source):
             raise TypeError("padding_mask_source must be a callable returning a bool tensor or None")
-        self._clipper = clipper
-        self._clipper_param_ids = known
-        self._clipper_takes_ownership = _takes_ownership(clipper)
-        self._padding_mask_source = padding_mask_source
-        register_wrapper(self)  # binds the private optimizer that owns this clipper, if any
+        self._clipping = ClipperLink(
+            clipper=clipper,
+            param_ids=frozenset(known),
+            takes_ownership=_takes_ownership(clipper),
+            padding_mask_source=padding_mask_source,
+        )
 
     @property
     def clipper(self):
-        return self._clipper
+        """The ``PerSampleGradientClipper`` each backward pass's clipped sums go to (None before
+        ``attach_clipper``)."""
+        return None if self._clipping is None else self._clipping.clipper
+
+    @property
+    def padding_mask_source(self) -> Callable[[], torch.Tensor | None] | None:
+        """The ``padding_mask_source`` given to ``attach_clipper`` (kept when the optimizer attaches a new
+        clipper after ``requires_grad`` changed)."""
+        return None if self._clipping is None else self._clipping.padding_mask_source
+
+    @property
+    def _pending(self) -> weakref.WeakSet[Use]:
+        # Read by tests: the calls whose backward has not run (``_passes.pending``).
+        return self._passes.pending
 
     def set_padding_mask(self, padding_mask: torch.Tensor | None) -> None:
         """Mark padding examples (bool ``(batch,)``, True = padding) of the NEXT backward pass: they
@@ -189,30 +219,38 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
             not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool or padding_mask.dim() != 1
         ):
             raise TypeError(f"padding_mask must be a 1-D bool tensor (one flag per example); got {padding_mask!r}")
-        self._padding_mask = padding_mask
+        self._passes.padding_mask = padding_mask
 
     # ------------------------------------------------------------------ wrapping
     def _attach(self, path: str, layer: nn.Module, sampler: GradSampler | None) -> None:
+        # Called by the base's __init__ (its construction extension point), before this class's __init__
+        # goes on: the forwards installed here read this class's state only when they run.
         for param in layer.parameters(recurse=sampler is None):
-            self._owner_paths.setdefault(param, path)
+            self._tables.owner_paths.setdefault(param, path)
         if sampler is not None:
             self._patch_gated(path, layer, sampler)
-            self._patched.append(layer)
+            self._tables.patched.append(layer)
         elif type(layer) is nn.MultiheadAttention:
             self._patch_attention(path, layer)
-            self._patched.append(layer)
+            self._tables.patched.append(layer)
         else:
             self._patch_forward(path, layer)  # the core's fallback patch, calling this class's _fallback_call
         HOOKED_MODULES.add(layer)
 
     def forward(self, *args, **kwargs):
-        if self.training and torch.is_grad_enabled() and self._clipper is None:
+        """Run the wrapped module with the fast-clipping gates, as ``GradSampleModule.forward`` does (same
+        checks and step binding), and return its output.
+
+        ``RuntimeError`` before the model runs if a training forward (training mode, gradients on) comes
+        before ``attach_clipper``: without a clipper nothing could be clipped. A backward pass left over
+        from one that raised is dropped (its norms are never used)."""
+        if self.training and torch.is_grad_enabled() and self._clipping is None:
             raise RuntimeError(
                 "GhostClippingModule has no clipper: call attach_clipper(PerSampleGradientClipper(params, "
                 "max_grad_norm)) first (PrivacyEngine.make_private(grad_sample_mode='ghost') does)"
             )
-        if self._pass is not None:
-            self._pass = None  # left over from a backward pass that raised
+        if self._passes.current is not None:
+            self._passes.current = None  # left over from a backward pass that raised
         return super().forward(*args, **kwargs)
 
     def _check_second_pass(self, ticket) -> None:
@@ -232,7 +270,7 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
         real_of = {id(stand_ins[name]): p for name, p in params.items()}
         use = Use(path=path, layer=module, parts=tuple((p, None) for p in params.values()),
                    generation=self._generation)  # fmt: skip
-        self._pending.add(use)
+        self._passes.pending.add(use)
 
         def on_per_sample_grad(stand_in: torch.Tensor, grads: torch.Tensor) -> None:
             self._on_fallback_grad(use, real_of[id(stand_in)], grads)
@@ -242,7 +280,7 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     def _reject_gradient(self, name: str, grad: torch.Tensor | None) -> None:
         if grad is None or not self.training:
             return
-        self._pass = None
+        self._passes.current = None
         raise ParameterUsageError(
             f"parameter {name!r} received a gradient outside ghost clipping (it is used outside the forward of "
             f"the module that owns it, e.g. read directly or in a loss term): that gradient would bypass "
@@ -250,9 +288,10 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
         )
 
     def _check_known(self, squared: dict[nn.Parameter, torch.Tensor]) -> None:
-        if all(id(param) in self._clipper_param_ids for param in squared):
+        param_ids = self._clipping.param_ids
+        if all(id(param) in param_ids for param in squared):
             return
-        unknown = [name for name, p in self._module.named_parameters() if p in squared and id(p) not in self._clipper_param_ids]
+        unknown = [name for name, p in self._module.named_parameters() if p in squared and id(p) not in param_ids]
         raise ValueError(
             f"parameters {unknown} were trained but are not held by the clipper (unfrozen after "
             f"attach_clipper?); attach a clipper over every trainable parameter"

@@ -1,13 +1,28 @@
-"""What fast clipping keeps about one backward pass: each gated (or fallback) call of a layer (``Use``),
-what the pass has gathered until its end (``BackwardPass``), and the small tensor helpers the gate,
-the attention decomposition and the end of the pass share.
+"""What fast clipping keeps: each gated (or fallback) call of a layer (``Use``), what a backward pass has
+gathered until its end (``BackwardPass``), the wrapper's state between calls (``GhostPasses``, ``ClipperLink``),
+and the small tensor helpers the gate, the attention decomposition and the end of the pass share.
+
+====================  ==============  ====================================  ===============================
+state                 on the wrapper  written by                            read by
+====================  ==============  ====================================  ===============================
+``GhostPasses``       ``_passes``     gate.py, attention.py and module.py   backward.py (``_current_pass``,
+                                      (``pending``: each gated / fallback   ``_finish_pass``)
+                                      call); backward.py (``current``);
+                                      ``set_padding_mask``, ``forward``
+``ClipperLink``       ``_clipping``   ``attach_clipper`` (replaced whole)   backward.py, ``clipper``,
+                                                                            ``padding_mask_source``
+====================  ==============  ====================================  ===============================
+
+The base wrapper's state (``capture.state``) is used as by ``GradSampleModule``: ``_tables`` (owners,
+patched modules, hooks), ``_flags.inside_fallback``, the batch-size bookkeeping and the step binding.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -16,6 +31,8 @@ from privacy_engine.models.validation import module_label
 
 __all__ = [
     "BackwardPass",
+    "ClipperLink",
+    "GhostPasses",
     "Rows",
     "Use",
     "add_rows",
@@ -84,6 +101,8 @@ class BackwardPass:
         self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
 
     def note_batch(self, use: Use, batch_size: int) -> None:
+        """Record the batch size of a layer the pass reached; ``ValueError`` if it differs from the first
+        layer's (every layer of one pass must see the same examples, or the norms would mix them)."""
         if self.batch is None:
             self.batch = (use, batch_size)
         elif self.batch[1] != batch_size:
@@ -95,10 +114,14 @@ class BackwardPass:
             )
 
     def add_squared(self, param: nn.Parameter, squared: torch.Tensor) -> None:
+        """Add ``squared`` (per-example squared norms ``(B,)``, unscaled) to ``param``'s, for uses of disjoint
+        rows of it (a shared parameter's uses are materialised instead: cross terms)."""
         previous = self.squared_norms.get(param)
         self.squared_norms[param] = squared if previous is None else previous + squared
 
     def add_materialised(self, param: nn.Parameter, rows: Rows, grads: torch.Tensor) -> None:
+        """Add per-example gradients ``grads`` of ``param``'s ``rows`` (None: all of it) to ``param``'s
+        ``(B, *param.shape)`` total, out of place (``grads`` may alias an autograd buffer)."""
         previous = self.materialised.get(param)
         if rows is None:
             # Out of place: `grads` may alias an autograd buffer (a Linear's bias gradient is G itself).
@@ -112,7 +135,40 @@ class BackwardPass:
         self.materialised[param] = previous
 
 
+@dataclass(eq=False)
+class GhostPasses:
+    """The backward passes of fast clipping, between calls.
+
+    ``pending``: the calls (``Use``) of live forwards whose backward has not reached them (weak: a forward
+    whose graph is dropped drops them). ``current``: the pass in progress, from its first output gradient to
+    its end-of-backward callback (None between passes; cleared by a forward after a pass that raised).
+    ``padding_mask``: set by ``set_padding_mask`` for the next pass only.
+    """
+
+    pending: weakref.WeakSet[Use] = field(default_factory=weakref.WeakSet)
+    current: BackwardPass | None = None
+    padding_mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class ClipperLink:
+    """Where the clipped sums go: set whole by ``GhostClippingModule.attach_clipper``.
+
+    ``param_ids``: ``id`` of each of the clipper's parameters (a trained parameter outside it is refused).
+    ``takes_ownership``: its ``accumulate_clipped_sums_`` may keep the sums without copying them.
+    ``padding_mask_source``: called at the end of a pass for its padding mask, when the pass's batch carries
+    none (``VirtualSteps`` redirects it to the micro-batch's slice).
+    """
+
+    clipper: object
+    param_ids: frozenset[int]
+    takes_ownership: bool
+    padding_mask_source: Callable[[], torch.Tensor | None] | None = None
+
+
 def check_sampler_result(kind: str, use: Use, result: dict, expected: Callable[[nn.Parameter, Rows], tuple]) -> None:
+    """Check that a sampler returned, for every part of ``use``, a tensor of shape ``expected(param, rows)``;
+    ``RuntimeError`` naming the layer otherwise (before anything is clipped)."""
     for param, rows in use.parts:
         value = result.get(param)
         if value is None:
@@ -128,6 +184,7 @@ def check_sampler_result(kind: str, use: Use, result: dict, expected: Callable[[
 
 
 def row_shape(param: nn.Parameter, rows: Rows) -> tuple:
+    """The shape of ``param[rows]`` (``param``'s own shape for None)."""
     return tuple(param.shape) if rows is None else tuple(param[rows].shape)
 
 
@@ -163,11 +220,14 @@ def _is_half(value) -> bool:
 
 
 def tensor_bytes(value) -> int:
+    """Bytes of ``value``'s elements if it is a tensor, else 0."""
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 
 def add_rows(sums: dict[nn.Parameter, torch.Tensor], param: nn.Parameter, rows: Rows, value: torch.Tensor) -> None:
+    """Add ``value`` into ``sums[param]``: the whole of it (``rows`` None, out of place) or its ``rows``
+    (in place, into a zero tensor of ``param``'s shape when ``param`` has no sum yet)."""
     if rows is None:
         previous = sums.get(param)
         sums[param] = value if previous is None else previous + value

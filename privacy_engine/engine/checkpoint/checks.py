@@ -17,13 +17,16 @@ from privacy_engine.engine.checkpoint.contents import (
     MODULE_KEY,
     NOISE_SCHEDULER_KEY,
     OPTIMIZER_KEY,
-    dp_optimizer_types,
     is_cyclic_loader_state,
     needs_loader,
 )
 from privacy_engine.engine.checkpoint.engine_state import check_restored_source
+from privacy_engine.noise.secure_random import is_secure_generator
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
 
-__all__ = ["check_counters", "check_loader_state", "check_module_state", "sampling_generator_kind", "validate"]
+__all__ = ["check_counters", "check_loader_counter", "check_loader_state", "check_module_state", "sampling_generator_kind", "validate"]
 
 
 def _ledger_entries(checkpoint: Mapping) -> list | None:
@@ -86,6 +89,51 @@ def check_counters(checkpoint: Mapping) -> None:
         )
 
 
+def check_loader_counter(checkpoint: Mapping) -> None:
+    """Raise ``ValueError`` naming the counters unless the saved loader's step counter (``next_step``, the
+    batches it has drawn) fits the saved optimizer's noise step counter. With BandMF (``num_bands > 1``) each
+    noise row belongs to a loader step (a release at loader step t leaves the counter at t + 1; the rows of
+    loader steps not released are drawn and discarded), so the loader has drawn at least as many batches as
+    there are rows, and exactly as many when the file says no batch was in flight at the save. A rewound or
+    swapped loader state would otherwise give released batches a second noise row, or the next batch the row
+    of a later step. Changes nothing.
+
+    Not checked for one band (Gaussian noise, one row per release): a run resumed with ``optimizer=`` but
+    without ``data_loader=`` legitimately counts its loader's steps from 0 again beside the saved optimizer's
+    counters, and its later checkpoints must load (a BandMF run cannot be resumed without its loader).
+
+    ==========================================  ===========================
+    case                                        result
+    ==========================================  ===========================
+    no loader or optimizer state, one band      nothing checked
+    next_step < noise step counter              ValueError naming both
+    next_step != noise step counter, no batch   ValueError naming both
+    in flight (metadata ``batch_in_flight``)
+    a counter not an int >= 0                   left to the checks naming it
+    ==========================================  ===========================
+    """
+    engine_state, loader_state = checkpoint.get(ENGINE_KEY), checkpoint.get(LOADER_KEY)
+    optimizer_state, metadata = checkpoint.get(OPTIMIZER_KEY), checkpoint.get(METADATA_KEY)
+    plan = engine_state.get("noise_plan") if isinstance(engine_state, Mapping) else None
+    dp_state = optimizer_state.get("privacy_engine.dp_state") if isinstance(optimizer_state, Mapping) else None
+    if not (isinstance(plan, Mapping) and isinstance(loader_state, Mapping) and isinstance(dp_state, Mapping)):
+        return
+    num_bands, next_step = plan.get("num_bands"), loader_state.get("next_step")
+    noise_state = dp_state.get("noise")
+    noise_steps = noise_state.get("step") if isinstance(noise_state, Mapping) else None
+    if not (_is_count(num_bands) and _is_count(next_step) and _is_count(noise_steps)) or num_bands <= 1:
+        return
+    in_flight = isinstance(metadata, Mapping) and metadata.get("batch_in_flight") is True
+    if next_step < noise_steps or (next_step != noise_steps and not in_flight):
+        raise ValueError(
+            f"its loader's step counter is next_step={next_step} but its BandMF noise step counter is {noise_steps} "
+            f"(steps_taken={dp_state.get('steps_taken')!r}, a batch in flight: {in_flight}): each BandMF noise row "
+            "belongs to one loader step, so the loader has drawn at least as many batches as there are rows (as many "
+            "when no batch is in flight); the loader state and the training state do not belong together (one was "
+            "rewound, swapped or altered)"
+        )
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -125,8 +173,6 @@ def check_loader_state(data_loader: Any, state: Any) -> None:
     """Raise ``ValueError`` unless ``data_loader.load_state_dict(state)`` restores a sampling state
     of the same kind: Poisson or cyclic, the same generator kind, and for cyclic sampling groups
     that partition exactly this loader's examples into as many groups. Changes nothing."""
-    from privacy_engine.training.sampling import CyclicPoissonBatchSampler, PoissonBatchSampler
-
     if not isinstance(state, Mapping):
         raise ValueError(f"the saved loader state is a {type(state).__name__}, not a dict")
     next_step = state.get("next_step")
@@ -194,8 +240,6 @@ _GENERATOR_KINDS = {
 
 def sampling_generator_kind(generator: Any) -> str:
     """``"secure"``, ``"global"`` (None: torch's global generator) or ``"own"``."""
-    from privacy_engine.noise.secure_random import is_secure_generator
-
     if is_secure_generator(generator):
         return "secure"
     return "global" if generator is None else "own"
@@ -218,6 +262,7 @@ def validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: Any
         if key not in checkpoint:
             raise ValueError(f"the checkpoint has no {key!r} (it was altered)")
     check_counters(checkpoint)
+    check_loader_counter(checkpoint)
     engine.check_state_dict(checkpoint[ENGINE_KEY])
     check_module_state(module, checkpoint[MODULE_KEY], strict=strict)
     if optimizer is not None:
@@ -226,7 +271,7 @@ def validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: Any
                 "optimizer= was given but the checkpoint holds no optimizer state (it was saved without "
                 "optimizer=): load without optimizer=, or use a checkpoint saved with it"
             )
-        if not isinstance(optimizer, dp_optimizer_types()):
+        if not isinstance(optimizer, DPOptimizer):
             raise TypeError(
                 f"optimizer is a {type(optimizer).__name__}; pass the DPOptimizer returned by make_private"
             )
@@ -246,8 +291,6 @@ def validate(engine: Any, checkpoint: dict, *, module: nn.Module, optimizer: Any
                 "data_loader= was given but the checkpoint holds no loader state (it was saved without "
                 "data_loader=): load without data_loader=, or use a checkpoint saved with it"
             )
-        from privacy_engine.training.data_loader import DPDataLoader
-
         if not isinstance(data_loader, DPDataLoader):
             raise TypeError(f"data_loader is a {type(data_loader).__name__}; pass the DPDataLoader from make_private")
         check_loader_state(data_loader, loader_state)

@@ -9,6 +9,8 @@ from typing import Any
 from torch import nn
 
 from privacy_engine.engine.checkpoint.file import PAYLOAD_FORMAT
+from privacy_engine.training.data_loader import DPDataLoader
+from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = ["RESERVED_KEYS", "build_checkpoint"]
 
@@ -24,13 +26,8 @@ RESERVED_KEYS = ("format", MODULE_KEY, ENGINE_KEY, OPTIMIZER_KEY, LOADER_KEY, NO
                  CLIP_SCHEDULER_KEY, METADATA_KEY)  # fmt: skip
 
 
-def dp_optimizer_types() -> tuple[type, ...]:
-    from privacy_engine.training.optimizer import DPOptimizer  # the optimizer module imports the engine's neighbours
-
-    return (DPOptimizer,)
-
-
 def is_cyclic_loader_state(state: Any) -> bool:
+    """Whether a saved loader state is cyclic sampling's (it holds the ``groups``)."""
     return isinstance(state, Mapping) and "groups" in state
 
 
@@ -64,13 +61,11 @@ def build_checkpoint(
                                                   be saved to resume
     ============================================  ==========================================
     """
-    from privacy_engine.training.data_loader import DPDataLoader
-
     extra = dict(checkpoint_dict or {})
     clashing = [key for key in extra if key in RESERVED_KEYS]
     if clashing:
         raise ValueError(f"checkpoint_dict uses the key {clashing[0]!r}, which the checkpoint writes itself; rename it")
-    if optimizer is not None and not isinstance(optimizer, dp_optimizer_types()):
+    if optimizer is not None and not isinstance(optimizer, DPOptimizer):
         raise TypeError(
             f"optimizer is a {type(optimizer).__name__}; pass the DPOptimizer returned by make_private (its state "
             "holds the noise state)"

@@ -23,7 +23,9 @@ from typing import Any
 from accountants import Accountant
 from accountants import PLDAccountant as _PLDAccountant
 from accountants import RDPAccountant as _RDPAccountant
+from accountants.events import EventSpec
 from accountants.state import STATE_DICT_FORMAT
+from privacy_engine.engine.options import ACCOUNTANT_ALIASES
 from privacy_engine.opacus._lazy import unavailable
 
 __all__ = [
@@ -91,7 +93,8 @@ class _OpacusInterface:
         have no Opacus equivalent and raise ``ValueError``)."""
         history = []
         for entry in self.history:
-            if entry.num_bands != 1 or entry.max_batch_size is not None or getattr(entry, "batches_per_step", 1) != 1:
+            # The default event with one band (DP-SGD's): any other kind, BandMF or custom, has no Opacus equivalent.
+            if entry.spec != EventSpec() or entry.max_batch_size is not None or entry.batches_per_step != 1:
                 raise ValueError(f"{entry} has no Opacus equivalent (Opacus records plain DP-SGD steps only)")
             history.append((entry.noise_multiplier, entry.sample_rate, entry.num_steps))
         return {"history": history, "mechanism": self.mechanism()}
@@ -121,6 +124,7 @@ class RDPAccountant(_OpacusInterface, _RDPAccountant):
     opacus_mechanism = "rdp"
 
     def get_epsilon(self, delta: float, alphas: Sequence[float] | None = None, **_ignored: Any) -> float:
+        """Epsilon at ``delta``; with ``alphas`` (Opacus's argument), over those RDP orders only."""
         if alphas is None:
             return super().get_epsilon(delta)
         return self._at_orders(alphas).get_epsilon(delta)
@@ -160,6 +164,7 @@ class PRVAccountant(_OpacusInterface, _PLDAccountant):
         super().__init__(value_discretization_interval=value_discretization_interval)
 
     def get_epsilon(self, delta: float, *, eps_error: float | None = None, delta_error: float | None = None) -> float:
+        """Epsilon at ``delta``; ``eps_error`` / ``delta_error`` (Opacus's) are accepted, unused."""
         return super().get_epsilon(delta)
 
 
@@ -169,21 +174,29 @@ GaussianAccountant = unavailable(
     "provided: use PRVAccountant (accountant='prv', the default) or RDPAccountant (accountant='rdp')",
 )
 
-_ACCOUNTANTS: dict[str, type] = {"rdp": RDPAccountant, "prv": PRVAccountant, "pld": PRVAccountant}
+#: This namespace's accountant class for each engine accountant name; a name is read through the
+#: engine's one table of names (``ACCOUNTANT_ALIASES``: "prv" is "pld"). ``register_accountant`` adds.
+_ACCOUNTANTS: dict[str, type] = {"rdp": RDPAccountant, "pld": PRVAccountant}
+
+
+def _engine_name(mechanism: str) -> str:
+    return ACCOUNTANT_ALIASES.get(mechanism, mechanism)
 
 
 def create_accountant(mechanism: str) -> Accountant:
     """A new accountant by Opacus's name: ``"prv"`` (PLD here), ``"rdp"``; ``"gdp"`` is refused."""
     if mechanism == "gdp":
         GaussianAccountant()  # raises with the explanation
-    if mechanism not in _ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {sorted(_ACCOUNTANTS)} ('gdp' is not provided); got {mechanism!r}")
-    return _ACCOUNTANTS[mechanism]()
+    if _engine_name(mechanism) not in _ACCOUNTANTS:
+        names = sorted(set(ACCOUNTANT_ALIASES) | set(_ACCOUNTANTS))
+        raise ValueError(f"accountant must be one of {names} ('gdp' is not provided); got {mechanism!r}")
+    return _ACCOUNTANTS[_engine_name(mechanism)]()
 
 
 def register_accountant(mechanism: str, accountant: type) -> None:
     """Make ``create_accountant(mechanism)`` (and ``PrivacyEngine(accountant=mechanism)``) build
-    ``accountant``, a subclass of the engine's ``accountants.Accountant``."""
+    ``accountant``, a subclass of the engine's ``accountants.Accountant`` (for "prv" and "pld"
+    alike: they name one accountant)."""
     if not (isinstance(accountant, type) and issubclass(accountant, Accountant)):
         raise TypeError(f"accountant must be a subclass of accountants.Accountant; got {accountant!r}")
-    _ACCOUNTANTS[mechanism] = accountant
+    _ACCOUNTANTS[_engine_name(mechanism)] = accountant

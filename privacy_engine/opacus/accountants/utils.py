@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from accountants import calibrate_noise_multiplier, make_accountant
+from privacy_engine.engine.options import ACCOUNTANT_ALIASES
 
 __all__ = ["get_noise_multiplier"]
-
-_ENGINE_ACCOUNTANT = {"rdp": "rdp", "prv": "pld", "pld": "pld"}
 
 
 def get_noise_multiplier(
@@ -41,10 +40,10 @@ def get_noise_multiplier(
     """
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs and steps")
-    if accountant not in _ENGINE_ACCOUNTANT:
+    if accountant not in ACCOUNTANT_ALIASES:
         raise ValueError(f"accountant must be 'rdp' or 'prv' ('gdp' is not provided); got {accountant!r}")
     if steps is None:
         steps = int(epochs / sample_rate)
     return calibrate_noise_multiplier(
-        target_epsilon, target_delta, sample_rate, steps, accountant=make_accountant(_ENGINE_ACCOUNTANT[accountant])
+        target_epsilon, target_delta, sample_rate, steps, accountant=make_accountant(ACCOUNTANT_ALIASES[accountant])
     )

@@ -20,10 +20,12 @@ from typing import Any
 
 from torch import nn
 
-from grad_samplers.registry import register_grad_sampler, register_norm_sampler
+from grad_samplers.registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
 from privacy_engine.capture import GradSampleModule as _GradSampleModule
 from privacy_engine.capture.manual import ManualGradSampleModule
 from privacy_engine.clipping.ghost import GhostClippingModule
+from privacy_engine.opacus._binding import wrapper_built
+from privacy_engine.settings_checks import check_grad_sample_mode
 
 __all__ = [
     "AbstractGradSampleModule",
@@ -34,13 +36,18 @@ __all__ = [
     "get_gsm_class",
     "register_grad_sampler",
     "register_norm_sampler",
-    "wrap_opacus_keys",
 ]
 
 
 class _OpacusStateDict:
     """Mixin: ``state_dict()`` with Opacus's keys (the wrapper's own nn.Module layout, the model held
-    as ``_module``); ``load_state_dict`` takes either layout (the engine's wrapper strips the prefix)."""
+    as ``_module``); ``load_state_dict`` takes either layout (the engine's wrapper strips the prefix).
+    A wrapper built here is connected as Opacus scripts expect (``opacus._binding``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Opacus scripts never connect their pieces: the namespace connects a hand-built pair (opacus._binding).
+        wrapper_built(self)
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return nn.Module.state_dict(self, *args, **kwargs)
@@ -76,8 +83,11 @@ class GradSampleModule(_OpacusStateDict, _GradSampleModule):
     """This engine's ``GradSampleModule`` with Opacus's constructor and state-dict keys.
 
     ``force_functorch=True`` is accepted and changes nothing: layers without a registered sampler
-    always go through ``torch.func``, and the registered samplers are exact.
+    always go through ``torch.func``, and the registered samplers are exact. ``GRAD_SAMPLERS``
+    (``{layer type: grad sampler}``, Opacus's class attribute) is a live view of the engine's table.
     """
+
+    GRAD_SAMPLERS = GRAD_SAMPLERS
 
     def __init__(
         self,
@@ -97,8 +107,12 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule
 
     Clipping happens inside the ordinary backward pass, with the bound of the clipper that
     ``make_private`` attaches; Opacus's ``max_grad_norm`` and ``use_ghost_clipping`` arguments are
-    accepted for its scripts and not used here.
+    accepted for its scripts and not used here. ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` (Opacus's class
+    attributes) are live views of the engine's table.
     """
+
+    GRAD_SAMPLERS = GRAD_SAMPLERS
+    NORM_SAMPLERS = NORM_SAMPLERS
 
     def __init__(
         self,
@@ -135,25 +149,6 @@ class AbstractGradSampleModule(abc.ABC):
 AbstractGradSampleModule.register(_GradSampleModule)
 AbstractGradSampleModule.register(ManualGradSampleModule)
 
-_OPACUS_CLASSES = {
-    _GradSampleModule: GradSampleModule,
-    GhostClippingModule: GradSampleModuleFastGradientClipping,
-    ManualGradSampleModule: GradSampleModuleNoOp,
-}
-
-
-def wrap_opacus_keys(wrapper: nn.Module) -> nn.Module:
-    """Give a wrapper built by the engine Opacus's state-dict keys (and method names), in place.
-
-    The classes above add methods only (no state of their own), so the engine's wrapper becomes an
-    instance of the matching one by a change of class; anything else is returned unchanged.
-    """
-    opacus_class = _OPACUS_CLASSES.get(type(wrapper))
-    if opacus_class is not None:
-        wrapper.__class__ = opacus_class
-    return wrapper
-
-
 def get_gsm_class(grad_sample_mode: str) -> type:
     """The wrapper class of a ``grad_sample_mode`` (Opacus's function)."""
     classes = {
@@ -163,6 +158,4 @@ def get_gsm_class(grad_sample_mode: str) -> type:
         "ghost": GradSampleModuleFastGradientClipping,
         "no_op": GradSampleModuleNoOp,
     }
-    if grad_sample_mode not in classes:
-        raise ValueError(f"grad_sample_mode must be one of {sorted(classes)}; got {grad_sample_mode!r}")
-    return classes[grad_sample_mode]
+    return classes[check_grad_sample_mode(grad_sample_mode)]

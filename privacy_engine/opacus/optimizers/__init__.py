@@ -7,8 +7,10 @@ other names map onto it. Adaptive clipping (``AdaClipDPOptimizer``) is not provi
 
 from __future__ import annotations
 
-from privacy_engine.opacus._lazy import lazy_attribute, unavailable
+from privacy_engine.opacus._lazy import unavailable
+from privacy_engine.opacus.optimizers.ddpoptimizer import DistributedDPOptimizer
 from privacy_engine.opacus.optimizers.optimizer import DPOptimizer, DPPerLayerOptimizer
+from privacy_engine.settings_checks import check_clipping
 
 __all__ = [
     "AdaClipDPOptimizer",
@@ -29,21 +31,10 @@ AdaClipDPOptimizer = unavailable(
 )
 
 
-def __getattr__(name: str):
-    if name == "DistributedDPOptimizer":
-        return lazy_attribute(name, "privacy_engine.training.distributed", ("DistributedDPOptimizer",),
-                              "distributed DP-SGD")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str | None = None) -> type:
     """Opacus's lookup of the optimizer class; here ``DPOptimizer`` (or ``DPPerLayerOptimizer``)."""
     if clipping == "adaptive":
         return AdaClipDPOptimizer
     if distributed:
-        return __getattr__("DistributedDPOptimizer")
-    if clipping == "per_layer":
-        return DPPerLayerOptimizer
-    if clipping == "flat":
-        return DPOptimizer
-    raise ValueError(f"clipping must be 'flat' or 'per_layer'; got {clipping!r}")
+        return DistributedDPOptimizer
+    return DPPerLayerOptimizer if check_clipping(clipping) == "per_layer" else DPOptimizer

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from accountants.events import EventSpec
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.opacus._binding import optimizer_built
+from privacy_engine.settings_checks import check_unseeded_in_secure_mode
 from privacy_engine.training.optimizer import DPOptimizer as _DPOptimizer
 
 __all__ = ["DPOptimizer", "DPPerLayerOptimizer", "_check_processed_flag", "_mark_as_processed"]
@@ -66,6 +69,9 @@ class _SubclassNoise(NoiseMechanism):
     def noise_std(self, noise_multiplier: float, max_grad_norm: float) -> float:
         return noise_multiplier * max_grad_norm  # the Gaussian std the accountant assumes
 
+    def privacy_event(self) -> EventSpec:
+        return EventSpec()  # accounted as the Gaussian mechanism, as Opacus does (see DPOptimizer)
+
     def add_noise_(self, tensors, noise_multiplier: float, max_grad_norm: float, *, on_commit=None) -> None:
         # The engine's contract (NoiseMechanism.add_noise_): the noise is in place before on_commit()
         # records the release, and the step counts only if on_commit returns.
@@ -94,6 +100,7 @@ class DPOptimizer(_DPOptimizer):
     override, the released gradient is whatever the override writes: the accountant still records
     the Gaussian mechanism of ``noise_multiplier`` (as Opacus does), so the reported epsilon holds
     only if the override adds at least that noise (a warning says so at construction).
+    ``max_grad_norm`` may be left out when a ready ``clipper=`` is given (``make_private`` does).
     """
 
     def __init__(
@@ -101,7 +108,7 @@ class DPOptimizer(_DPOptimizer):
         optimizer: Optimizer,
         *,
         noise_multiplier: float,
-        max_grad_norm: float,
+        max_grad_norm: float | None = None,
         expected_batch_size: float | None,
         loss_reduction: str = "mean",
         generator: torch.Generator | None = None,
@@ -109,9 +116,8 @@ class DPOptimizer(_DPOptimizer):
         **kwargs: Any,
     ) -> None:
         custom_noise = type(self).add_noise is not DPOptimizer.add_noise
+        check_unseeded_in_secure_mode("generator", generator, secure_mode=secure_mode)
         seed = _seed_from(generator)
-        if secure_mode and seed is not None:
-            raise ValueError("generator must be None with secure_mode=True (secure noise is seeded from the OS only)")
         if custom_noise:
             warnings.warn(
                 f"{type(self).__name__} overrides add_noise(): the accountant records the Gaussian mechanism with "
@@ -134,6 +140,8 @@ class DPOptimizer(_DPOptimizer):
         if custom_noise:
             self.noise.optimizer = self
             self._gaussian = GaussianNoise(seed=seed, secure_mode=secure_mode)
+        # Opacus scripts never connect their pieces: the namespace connects a hand-built pair (opacus._binding).
+        optimizer_built(self)
 
     # ------------------------------------------------------------------ Opacus's extension points
     def add_noise(self) -> None:
@@ -169,6 +177,7 @@ class DPOptimizer(_DPOptimizer):
         return [getattr(param, "grad_sample", None) for param in self.params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's ``zero_grad``; each parameter's ``summed_grad`` (Opacus's) is dropped too."""
         super().zero_grad(set_to_none=set_to_none)
         for param in self.params:
             if getattr(param, "summed_grad", None) is not None:

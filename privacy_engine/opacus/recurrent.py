@@ -1,4 +1,5 @@
-"""Recurrent layers under the names Opacus users know: ``DPLSTM``, ``DPGRU``, ``DPRNN``.
+"""Recurrent layers under the names Opacus users know: ``DPLSTM``, ``DPGRU``, ``DPRNN`` (served as
+``privacy_engine.opacus.layers``' names, as Opacus's ``opacus.layers``).
 
 Plain ``nn.LSTM``/``nn.GRU``/``nn.RNN`` already get exact per-sample gradients here (see
 ``grad_samplers.rnn``), so these classes are only the torch layers under another name: subclasses with

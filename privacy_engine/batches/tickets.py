@@ -93,14 +93,19 @@ class BatchTicket:
 
     @property
     def tracked(self) -> bool:
+        """Whether a private loader drew this batch (``loader_step`` is not None). A step that would release
+        an untracked batch refuses it when its optimizer has a private loader or the ticket carries a
+        ``refusal`` (which says why)."""
         return self.loader_step is not None
 
     @property
     def rows(self) -> tuple[int, int]:
+        """``(start, end)``: the rows of the drawn batch this ticket holds (``(0, size)`` for the whole batch)."""
         return self.part if self.part is not None else (0, self.size)
 
     @property
     def num_rows(self) -> int:
+        """The number of rows this ticket holds (``end - start`` of ``rows``)."""
         start, end = self.rows
         return end - start
 
@@ -129,6 +134,8 @@ class BatchTicket:
         return self.padding_mask[start:end]
 
     def same_rows(self, other: BatchTicket | None) -> bool:
+        """Whether ``other`` holds exactly the same rows of the same draw (False for None). Compares the
+        draw's identity, never sizes: two draws of equal size are different batches."""
         return other is not None and other.draw is self.draw and other.rows == self.rows
 
     def differs_in_effect(self, other: BatchTicket) -> bool:
@@ -142,6 +149,9 @@ class BatchTicket:
 
 # ---------------------------------------------------------------------------------------------- tags
 def iter_tensors(value: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The tensors in ``value``: itself if a tensor, else those in its mapping values, lists and tuples,
+    looked into up to three containers deep (deeper tensors, and tensors inside other containers, are
+    not yielded)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif depth < 3 and isinstance(value, Mapping):
@@ -395,12 +405,17 @@ class TicketQueue:
         self.origin = LoaderOrigin(name)
 
     def issue(self, ticket: BatchTicket, batch: Any = None) -> None:
+        """Queue ``ticket`` (the loader yielded its batch) and make it ``last_issued``; with ``batch``, also
+        keep references to its tensors (those with at least one dimension) among the ``RECENT_BATCHES``
+        recent ones, so that a copy of them is recognised by its values. Beyond ``MAX_QUEUED_TICKETS``
+        unused tickets the oldest is forgotten."""
         self._tickets.append(ticket)
         self.last_issued = ticket
         if batch is not None:
             self._recent.append((ticket, tuple(t for t in iter_tensors(batch) if t.dim() > 0)))
 
     def clear(self) -> None:
+        """Forget every queued ticket (``last_issued`` and the recent batches are kept)."""
         self._tickets.clear()
 
     def __iter__(self) -> Iterator[BatchTicket]:
