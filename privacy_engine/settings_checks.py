@@ -9,36 +9,45 @@ Lowest layer of the package: it imports nothing from ``privacy_engine`` (only to
 ``accountants`` package keeps its own entry checks (it is usable alone); ``target_delta`` is checked
 by its ``check_delta``, the function the budget uses.
 
-=================================  ==================================  ==================================
-setting                            function                            refuses
-=================================  ==================================  ==================================
-noise_multiplier                   ``check_noise_multiplier``          not a real number; < 0, NaN, inf
-max_grad_norm (one bound)          ``check_max_grad_norm``             not a real number; < 0, NaN (0
-                                                                       too with ``positive=True``)
-max_grad_norm (flat / per layer)   ``check_max_grad_norms``            a list for "flat"; an empty or
-                                                                       non-numeric list
-noise_multiplier * max_grad_norm   ``check_noise_std``                 an inf bound with noise; a std
-                                                                       above the limit
-rescale_to_unit_norm               ``check_rescale_to_unit_norm``      not a bool; True with a total
-                                                                       bound of 0 or inf
-clipping                           ``check_clipping``                  not "flat" / "per_layer"
-loss_reduction                     ``check_loss_reduction``            not "mean" / "sum"
-grad_sample_mode                   ``check_grad_sample_mode``          not one of ``GRAD_SAMPLE_MODES``
-expected_batch_size                ``check_expected_batch_size``       missing with "mean"; not finite
-                                                                       and > 0
-batch_first, nan_safe, ... (bool)  ``check_flag``                      anything but True / False
-target_epsilon                     ``check_target_epsilon``            not finite and > 0
-target_delta                       ``check_target_delta``              outside (0, 1)
-epochs, total_steps, num_bands,    ``check_count``                     not an int >= the minimum
-max_batch_size, num_groups, ...                                        (bools refused)
-sample_rate (Poisson sampling)     ``check_sample_rate``               not a number in (0, 1]
-noise_seed                         ``check_noise_seed``                not an int >= 0
-noise_generator                    ``check_noise_generator``           not a ``torch.Generator``
-noise_seed / noise_generator with  ``check_no_seed_for_given_noise``   either set (the mechanism is
-a ready noise mechanism                                                seeded by whoever built it)
-noise_seed / noise_generator in    ``check_unseeded_in_secure_mode``   either set (secure noise is
-secure mode                                                            seeded from the OS only)
-=================================  ==================================  ==================================
+=================================  ====================================  ==================================
+setting                            function                              refuses
+=================================  ====================================  ==================================
+noise_multiplier                   ``check_noise_multiplier``            not a real number; < 0, NaN, inf
+max_grad_norm (one bound)          ``check_max_grad_norm``               not a real number; < 0, NaN (0
+                                                                         too with ``positive=True``)
+max_grad_norm (flat / per layer)   ``check_max_grad_norms``              a list for "flat"; an empty or
+                                                                         non-numeric list
+noise_multiplier * max_grad_norm   ``check_noise_std``                   an inf bound with noise; a std
+                                                                         above the limit
+rescale_to_unit_norm               ``check_rescale_to_unit_norm``        not a bool; True with a total
+                                                                         bound of 0 or inf
+clipping                           ``check_clipping``                    not "flat" / "per_layer"
+loss_reduction                     ``check_loss_reduction``              not "mean" / "sum"
+grad_sample_mode                   ``check_grad_sample_mode``            not one of ``GRAD_SAMPLE_MODES``
+expected_batch_size                ``check_expected_batch_size``         missing with "mean"; not finite
+                                                                         and > 0
+batch_first, nan_safe, ... (bool)  ``check_flag``                        anything but True / False
+target_epsilon                     ``check_target_epsilon``              not finite and > 0
+target_delta                       ``check_target_delta``                outside (0, 1)
+epochs, total_steps, num_bands,    ``check_count``                       not an int >= the minimum
+max_batch_size, num_groups, ...                                          (bools refused)
+sample_rate (Poisson sampling)     ``check_sample_rate``                 not a number in (0, 1]
+noise_seed                         ``check_noise_seed``                  not an int >= 0
+noise_generator                    ``check_noise_generator``             not a ``torch.Generator``
+noise_seed / noise_generator with  ``check_no_seed_for_given_noise``     either set (the mechanism is
+a ready noise mechanism                                                  seeded by whoever built it)
+noise_seed / noise_generator in    ``check_unseeded_in_secure_mode``     either set (secure noise is
+secure mode                                                              seeded from the OS only)
+clipping="adaptive" (engine)       ``check_clipping(adaptive=True)``     not one of ``CLIPPING_MODES`` +
+                                                                         ``ADAPTIVE_CLIPPING_MODES``
+target_unclipped_quantile          ``check_target_unclipped_quantile``   not a number in [0, 1]
+clipbound_learning_rate            ``check_clipbound_learning_rate``     not finite and >= 0
+min_clipbound, max_clipbound       ``check_clipbounds``                  min < 0, max not finite, min >= max
+unclipped_num_std                  ``check_unclipped_num_std``           not finite and >= 0
+noise_multiplier with              ``check_unclipped_num_std_for``       sigma > 0 and 2 sigma_b <= sqrt(G)
+unclipped_num_std (adaptive)                                             sigma (the count would cost more
+                                                                         than the whole step)
+=================================  ====================================  ==================================
 """
 
 from __future__ import annotations
@@ -53,9 +62,12 @@ import torch
 from accountants._validation import check_delta
 
 __all__ = [
+    "ADAPTIVE_CLIPPING_MODES",
     "CLIPPING_MODES",
     "GRAD_SAMPLE_MODES",
     "LOSS_REDUCTIONS",
+    "check_clipbound_learning_rate",
+    "check_clipbounds",
     "check_clipping",
     "check_count",
     "check_expected_batch_size",
@@ -73,12 +85,17 @@ __all__ = [
     "check_sample_rate",
     "check_target_delta",
     "check_target_epsilon",
+    "check_target_unclipped_quantile",
+    "check_unclipped_num_std",
+    "check_unclipped_num_std_for",
     "check_unseeded_in_secure_mode",
     "real_number",
     "total_bound",
 ]
 
 CLIPPING_MODES = ("flat", "per_layer")
+#: The engine's adaptive modes (Andrew et al. 2021): flat / per-layer clipping whose bound(s) track a quantile.
+ADAPTIVE_CLIPPING_MODES = ("adaptive", "per_layer_adaptive")
 LOSS_REDUCTIONS = ("mean", "sum")
 # "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
 # so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
@@ -219,11 +236,15 @@ def check_rescale_to_unit_norm(rescale_to_unit_norm: Any, total_bound: float) ->
     return rescale_to_unit_norm
 
 
-def check_clipping(clipping: Any) -> str:
-    """``"flat"`` or ``"per_layer"``; ``ValueError`` naming ``clipping`` otherwise."""
-    if not isinstance(clipping, str) or clipping not in CLIPPING_MODES:
-        hint = " (adaptive clipping is not supported)" if clipping == "adaptive" else ""
-        raise ValueError(f"clipping must be one of {CLIPPING_MODES}; got {clipping!r}{hint}")
+def check_clipping(clipping: Any, *, adaptive: bool = False) -> str:
+    """``"flat"`` or ``"per_layer"`` (with ``adaptive=True``, where the engine's options enter, also
+    ``"adaptive"`` and ``"per_layer_adaptive"``); ``ValueError`` naming ``clipping`` otherwise."""
+    modes = CLIPPING_MODES + ADAPTIVE_CLIPPING_MODES if adaptive else CLIPPING_MODES
+    if not isinstance(clipping, str) or clipping not in modes:
+        hint = ""
+        if clipping in ADAPTIVE_CLIPPING_MODES:
+            hint = " (adaptive clipping is the optimizer's: give it an AdaptiveClipping, or use make_private)"
+        raise ValueError(f"clipping must be one of {modes}; got {clipping!r}{hint}")
     return clipping
 
 
@@ -343,3 +364,57 @@ def check_noise_generator(noise_generator: Any) -> Any:
     if not isinstance(noise_generator, torch.Generator):
         raise TypeError(f"noise_generator must be a torch.Generator; got {type(noise_generator).__name__}")
     return noise_generator
+
+
+# ------------------------------------------------------------------------------- adaptive clipping
+def check_target_unclipped_quantile(target_unclipped_quantile: Any) -> float:
+    """The quantile gamma of the per-example norms the clip norm tracks: a number in [0, 1]."""
+    value = real_number("target_unclipped_quantile", target_unclipped_quantile)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"target_unclipped_quantile must be in [0, 1]; got {target_unclipped_quantile!r}")
+    return value
+
+
+def check_clipbound_learning_rate(clipbound_learning_rate: Any) -> float:
+    """eta of the geometric update ``C <- C exp(-eta (b - gamma))``: finite and >= 0 (0 keeps C fixed)."""
+    value = real_number("clipbound_learning_rate", clipbound_learning_rate)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"clipbound_learning_rate must be finite and >= 0; got {clipbound_learning_rate!r}")
+    return value
+
+
+def check_clipbounds(min_clipbound: Any, max_clipbound: Any) -> tuple[float, float]:
+    """The range the clip norm is clamped to: ``0 <= min_clipbound < max_clipbound < inf`` (a finite
+    maximum keeps the noise std finite; Opacus refuses ``max <= min`` too)."""
+    low = real_number("min_clipbound", min_clipbound)
+    high = real_number("max_clipbound", max_clipbound)
+    if not (math.isfinite(low) and low >= 0):
+        raise ValueError(f"min_clipbound must be finite and >= 0; got {min_clipbound!r}")
+    if not (math.isfinite(high) and high > 0):
+        raise ValueError(f"max_clipbound must be finite and > 0; got {max_clipbound!r}")
+    if high <= low:
+        raise ValueError(f"max_clipbound must be larger than min_clipbound; got {max_clipbound!r} <= {min_clipbound!r}")
+    return low, high
+
+
+def check_unclipped_num_std(unclipped_num_std: Any) -> float:
+    """sigma_b, the std of the noise on the count of unclipped examples: finite and >= 0."""
+    value = real_number("unclipped_num_std", unclipped_num_std)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"unclipped_num_std must be finite and >= 0; got {unclipped_num_std!r}")
+    return value
+
+
+def check_unclipped_num_std_for(noise_multiplier: float, unclipped_num_std: float, *, num_groups: int = 1) -> None:
+    """Adaptive clipping accounts the pair (gradient, count) as one Gaussian step at ``noise_multiplier``
+    sigma, which needs ``sigma^-2 - G (2 sigma_b)^-2 > 0`` (G counts, one per clipping group, each of
+    sensitivity 1/2): ``ValueError`` naming ``unclipped_num_std`` unless ``2 sigma_b > sqrt(G) sigma``.
+    sigma = 0 (no noise, no privacy) needs nothing."""
+    if noise_multiplier > 0 and not 2.0 * unclipped_num_std > math.sqrt(num_groups) * noise_multiplier:
+        needed = math.sqrt(num_groups) * noise_multiplier / 2.0
+        groups = "" if num_groups == 1 else f" * sqrt({num_groups} clipping groups)"
+        raise ValueError(
+            f"unclipped_num_std must be > noise_multiplier{groups} / 2 = {needed:.6g} for adaptive clipping (the "
+            f"count of unclipped examples would cost all of the step's privacy: Andrew et al. 2021, Theorem 1); "
+            f"got {unclipped_num_std!r}"
+        )

@@ -63,12 +63,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("clipping", ("privacy_engine.clipping",)),
     ("noise", ("privacy_engine.noise",)),
     ("training", ("privacy_engine.training",)),
+    # Auditing sits between training and engine: its canaries implement the optimizer's declared canary
+    # component (training/canary_slot.py), and the engine builds them for make_private(audit=...).
+    ("auditing", ("privacy_engine.auditing",)),
     ("engine", ("privacy_engine.engine",)),
     # `privacy_engine` covers only the package's __init__: a new module directly under it is reported
     # as unplaced until it is added above.
     (
-        "on top: integrations, auditing, Opacus compatibility",
-        ("privacy_engine.integrations", "privacy_engine.auditing", "privacy_engine.opacus", "privacy_engine"),
+        "on top: integrations, Opacus compatibility",
+        ("privacy_engine.integrations", "privacy_engine.opacus", "privacy_engine"),
     ),
 )
 

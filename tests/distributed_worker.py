@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accountants import make_accountant
 from privacy_engine import PrivacyEngine, VirtualSteps
+from privacy_engine.auditing import AuditConfig
 from privacy_engine.training.distributed import (
     DistributedSettingsError,
     DistributedStepError,
@@ -110,6 +111,34 @@ def equivalence(rank: int, mode: str) -> dict:
     record.update(initial=initial, expected_batch_size=dp_optimizer.expected_batch_size,
                   wrapped=type(wrapped).__name__)
     return record
+
+
+def audited(rank: int) -> dict:
+    """No noise, lr 0: the releases of 3 steps with and without gradient canaries (make_private(audit=...)), and
+    what rank 0's canaries add at each step (divided by the expected global batch size)."""
+    releases = {}
+    for audit in (None, AuditConfig(num_canaries=16, seed=3)):
+        model = mlp()
+        made = engine_pld().make_private(
+            module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(IndexedData(40, 5), batch_size=8), noise_multiplier=0.0, max_grad_norm=0.3,
+            noise_seed=0, audit=audit,
+        )  # fmt: skip
+        wrapped, dp_optimizer, private_loader = made
+        released = []
+        dp_optimizer.attach_step_hook(
+            lambda opt, out=released: out.append(torch.cat([p.grad.reshape(-1) for p in opt.params]))
+        )
+        train(wrapped, dp_optimizer, private_loader, 3)
+        releases["with" if audit else "without"] = torch.stack(released)
+    canaries = dp_optimizer.canaries
+    expected = []
+    for step in range(3):  # the draws of release `step` (a function of the seed and the release index)
+        scored, canaries.steps_scored = canaries.steps_scored, step
+        expected.append(canaries.canary_gradient(dp_optimizer.sample_rate, 0.3) / dp_optimizer.expected_batch_size)
+        canaries.steps_scored = scored
+    releases.update(expected=torch.stack(expected), scores=canaries.scores.clone(), included=canaries.included.clone())
+    return releases
 
 
 def virtual(rank: int) -> dict:
@@ -423,7 +452,8 @@ def main() -> None:
     scenarios = [(f"equivalence_{mode}", lambda mode=mode: equivalence(rank, mode))
                  for mode in ("hooks", "functorch", "ghost")]  # fmt: skip
     scenarios += [
-        ("virtual", lambda: virtual(rank)), ("opacus_names", lambda: opacus_names(rank)),
+        ("virtual", lambda: virtual(rank)), ("audited", lambda: audited(rank)),
+        ("opacus_names", lambda: opacus_names(rank)),
         ("noisy", lambda: noisy(rank)), ("sampling", lambda: sampling(rank)), ("bandmf", lambda: bandmf(rank)),
         ("truncated", lambda: truncated(rank)), ("mismatch", lambda: mismatch(rank)),
         ("reordered", lambda: reordered(rank)),

@@ -158,6 +158,19 @@ def test_virtual_steps_under_ddp_equal_one_process_on_the_union_batch(job):
 
 
 @pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
+def test_audit_canaries_are_added_once_per_global_release_and_scored_alike_on_every_rank(job):
+    # make_private(audit=...): only rank 0 adds the canaries before the all-reduce, so the release holds each
+    # taking-part canary once (not once per rank), and every rank scores the same release.
+    rank0, rank1 = both(job, "audited")
+    expected = rank0["expected"].double()  # the canaries' directions are float32; the worker's model float64
+    for ranks in (rank0, rank1):
+        difference = ranks["with"] - ranks["without"]
+        assert torch.allclose(difference, expected, atol=1e-6), (difference - expected).abs().max()
+    assert rank0["expected"].abs().sum() > 0
+    assert torch.equal(rank0["scores"], rank1["scores"])
+
+
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
 def test_opacus_distributed_optimizer_and_loader_names_run_global_steps(job):
     rank0, rank1 = both(job, "opacus_names")
     assert rank0["expected_batch_size"] == 8.0  # Opacus passes each rank's: 4 x 2 ranks

@@ -20,6 +20,7 @@ from privacy_engine import GradSampleModule, ParameterUsageError, PrivacyEngine
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.clipping.rule import clip_factors
+from privacy_engine.models.validation import UnsupportedModuleError
 from privacy_engine.opacus.recurrent import DPGRU, DPLSTM, DPRNN, torch_rnn_state_dict
 
 DOUBLE = torch.float64
@@ -575,30 +576,45 @@ def test_second_backward_through_one_forward_is_refused():
         output.sum().backward()
 
 
-def test_packed_input_under_a_parent_fallback_is_refused_clearly():
-    class ScaledPacked(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(FEATURES))
-            self.lstm = nn.LSTM(FEATURES, HIDDEN, batch_first=True)
+class ScaledPacked(nn.Module):
+    """A root-level parameter (its own per-sample path, ``capture.root_parameters``) next to an LSTM child."""
 
-        def forward(self, x, lengths):
-            packed = pack_padded_sequence(x * self.scale, lengths, batch_first=True, enforce_sorted=False)
-            return self.lstm(packed)[1][0][-1]
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(FEATURES))
+        self.lstm = nn.LSTM(FEATURES, HIDDEN, batch_first=True)
 
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(x * self.scale, lengths, batch_first=True, enforce_sorted=False)
+        return self.lstm(packed)[1][0][-1]
+
+
+def test_root_parameter_before_packing_is_refused_clearly():
+    # Packing has no forward-mode derivative: the root parameter's tangent cannot cross it.
     wrapped = GradSampleModule(ScaledPacked())
-    with pytest.raises(RuntimeError) as raised:  # torch's own error from packing under vmap, with our note
+    with pytest.raises(UnsupportedModuleError, match=r"(?s)root parameter 'scale'.*small module that owns it"):
         wrapped(torch.randn(BATCH, STEPS, FEATURES), LENGTHS)
-    assert "Move the own parameters of the top-level module into a child module" in "\n".join(getattr(raised.value, "__notes__", []))
 
+
+def test_root_parameter_after_a_packed_lstm_exact():
     class PackedIntoParent(ScaledPacked):
         def forward(self, packed):
             return self.lstm(packed)[1][0][-1] * self.scale
 
-    wrapped = GradSampleModule(PackedIntoParent())
-    packed = pack_padded_sequence(torch.randn(BATCH, STEPS, FEATURES), LENGTHS, batch_first=True, enforce_sorted=False)
-    with pytest.raises(TypeError, match="PackedSequence cannot be split into examples"):
-        wrapped(packed)
+    torch.manual_seed(0)
+    model = PackedIntoParent().double()
+    with torch.no_grad():
+        model.scale.mul_(1.3)
+    x = torch.randn(BATCH, STEPS, FEATURES, dtype=DOUBLE)
+    reference = {}
+    for i in range(BATCH):
+        single = copy.deepcopy(model)
+        single(pack_padded_sequence(x[i : i + 1], LENGTHS[i : i + 1], batch_first=True, enforce_sorted=False)).sum().backward()
+        for name, param in single.named_parameters():
+            reference.setdefault(name, []).append(param.grad)
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    wrapped(pack_padded_sequence(x, LENGTHS, batch_first=True, enforce_sorted=False)).sum().backward()
+    assert_matches_reference(model, {name: torch.stack(grads) for name, grads in reference.items()})
 
 
 def test_subclass_with_its_own_forward_gets_a_hint():

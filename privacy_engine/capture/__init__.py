@@ -9,6 +9,8 @@ file                     what it holds
 ``fallback_bridge.py``   modules without a sampler, through ``torch.func`` (``vmap``)
 ``patched_forward.py``   a module's replaced forward as a picklable object (``PatchedForward``)
 ``batch_size.py``        the batch size of a forward; outputs shared by every example
+``root_parameters.py``   parameters the root owns itself (``logit_scale``): forward-mode tangents
+``recompute.py``         activation checkpointing: its recomputation told apart from misuse
 ``step_binding.py``      the wrapper's side of the step contract (which batch, which pass)
 ``usage_check.py``       the first-backward check (``ParameterUsageError``)
 ``independence.py``      examples must not interact: buffers written, the first-step row check

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from privacy_engine.capture.recompute import NON_REENTRANT, checkpoint_recompute
 from privacy_engine.models.validation import module_label, submodule_label
 
 __all__ = ["BatchSizeTracking", "expand_batch", "input_batch_size"]
@@ -29,7 +30,17 @@ class BatchSizeTracking:
             return sizes.forward_broadcast[1]
         if sizes.forward_single is not None:
             return 1
-        return None
+        return sizes.forward_without_grad
+
+    def _note_batch_without_grad(self, output) -> None:
+        """A layer the wrapper instruments ran without gradients inside a training forward of the wrapper (a
+        reentrant activation checkpoint runs its first forward under ``no_grad``, and captures in backward):
+        keep its output's batch size, the forward's batch size when no layer ran with gradients."""
+        sizes = self._batch_sizes
+        if not self._flags.in_forward or not isinstance(output, torch.Tensor) or output.dim() <= self._batch_dim:
+            return
+        if sizes.forward_without_grad is None or sizes.forward_without_grad == 1:
+            sizes.forward_without_grad = output.shape[self._batch_dim]
 
     def _label(self, path: str) -> str:
         return submodule_label(self._module, path)
@@ -40,6 +51,7 @@ class BatchSizeTracking:
         sizes.input_batch = input_batch_size(args, kwargs, self._batch_dim)
         sizes.forward_single = None
         sizes.forward_broadcast = None
+        sizes.forward_without_grad = None
 
     def _note_batch_size(self, path: str, batch_size: int) -> int | None:
         """Check a layer's output batch size against the forward's; return the size to expand the
@@ -50,9 +62,20 @@ class BatchSizeTracking:
         A layer output with 1 example while B != 1 is shared by every example (position embeddings
         looked up with ``position_ids`` of shape (1, T), a learned prefix): it is expanded to B so
         that its output gradient arrives per example. Any other difference is an error.
+
+        During activation checkpointing's recomputation (``capture.recompute``), outside the wrapper's
+        forward: a reentrant recomputation (whose first forward saw none of its layers) is checked against,
+        and extends, the bookkeeping of the forward it recomputes; a non-reentrant one replays the first
+        forward's decision (the output expanded to that forward's batch where it has 1 example) and records
+        nothing. Elsewhere outside the wrapper's forward: None, nothing recorded.
         """
         if not self._flags.in_forward:
-            return None
+            recompute = checkpoint_recompute()
+            if recompute is None:
+                return None
+            if recompute == NON_REENTRANT:
+                forward_batch = self._forward_batch_size()
+                return forward_batch if batch_size == 1 and forward_batch not in (None, 1) else None
         dim = self._batch_dim
         sizes = self._batch_sizes
         established = sizes.forward_batch

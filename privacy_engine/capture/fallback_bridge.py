@@ -7,7 +7,9 @@ are added like the hooks' ones. The replacement claims the module's whole subtre
 ``_fallback_call`` (stand-in parameters, so that ``.grad`` is never written). It writes
 ``_flags.inside_fallback`` (around the ``vmap`` forward) and the patched modules in ``_tables``
 (``patched``, ``instance_forwards``); it reads ``_batch_dim``, ``loss_reduction``, ``_generation`` and
-``_batch_sizes``, and hands per-sample gradients to ``_accumulate`` (``hooks.py``).
+``_batch_sizes``, and hands per-sample gradients to ``_accumulate`` (``hooks.py``). Under activation
+checkpointing (``capture.recompute``, ``_recompute_kind``) a reentrant recomputation runs the fallback as a
+forward (after ``_prepare_recompute_pass``), a non-reentrant one reruns it and keeps nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from grad_samplers.functorch_fallback import per_sample_forward, per_sample_forward_for
 from privacy_engine.capture.patched_forward import PatchedForward
+from privacy_engine.capture.recompute import NON_REENTRANT, REENTRANT
 from privacy_engine.models.validation import UnsupportedModuleError, module_label
 
 __all__ = ["FallbackBridge"]
@@ -38,13 +41,24 @@ class FallbackBridge:
         """The forward of a fallback module (``patched.module``): under ``vmap`` in training mode."""
         path, module, original = patched.path, patched.module, patched.original
         if self._flags.inside_fallback or not (self.training and torch.is_grad_enabled()):
-            return original(*args, **kwargs)
+            output = original(*args, **kwargs)
+            if self.training and not self._flags.inside_fallback:
+                first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+                self._note_batch_without_grad(first)
+            return output
         if patched.derived is None:
             patched.derived = list(module.named_parameters())
         params = {name: p for name, p in patched.derived if p.requires_grad}
         if not params:
             return original(*args, **kwargs)
+        recompute = self._recompute_kind()
         try:
+            if recompute == NON_REENTRANT:
+                # The same forward as the first one (the checkpoint checks what it saves), nothing kept:
+                # backward runs through the first forward's graph (capture.recompute).
+                return self._run_fallback(path, module, original, args, kwargs, params, _discard_per_sample_grad)
+            if recompute == REENTRANT:
+                self._prepare_recompute_pass()
             return self._fallback_call(path, module, original, args, kwargs, params)
         except RuntimeError as error:
             if _is_function_without_vmap(error):
@@ -112,6 +126,10 @@ class FallbackBridge:
         if self.loss_reduction == "mean":
             grads = grads * batch_size
         self._accumulate(param, grads, batch_size)
+
+
+def _discard_per_sample_grad(param: nn.Parameter, grads: torch.Tensor) -> None:
+    """The per-sample gradient callback of a replayed forward, whose graph is never differentiated."""
 
 
 def _is_function_without_vmap(error: RuntimeError) -> bool:

@@ -7,8 +7,10 @@ sampler turns inputs and output gradient into per-sample gradients, which are ad
 ``_tables.param_names`` (error messages) and ``_usage.phase``; it feeds the usage check while armed
 (``_record_term_scales``, ``_record_for_usage_check``), the batch-size bookkeeping (``_note_batch_size``)
 and the step binding (reads ``_generation`` and ``_consumer``, calls ``_check_live``; when bound, sets
-``_backward_running`` and queues ``_backward_done`` at the first per-sample gradient of a backward); it
-writes ``param.grad_sample``.
+``_backward_running`` and queues ``_backward_done`` at the first per-sample gradient of a backward, or
+earlier, at a reentrant checkpoint's recomputed forward: ``_prepare_recompute_pass``); it writes
+``param.grad_sample``. Under activation checkpointing (``capture.recompute``) a reentrant recomputation is
+captured like a forward, a non-reentrant one replayed (same output, nothing captured).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from grad_samplers.registry import GradSampler
 from privacy_engine.capture.batch_size import expand_batch
+from privacy_engine.capture.recompute import NON_REENTRANT, REENTRANT
 from privacy_engine.models.validation import module_label
 
 __all__ = ["LayerHooks"]
@@ -32,13 +35,21 @@ class LayerHooks:
         # The wrapper's mode decides, not the layer's: a layer kept in eval mode while the model trains
         # (BatchNorm with frozen statistics, trainable affine) still needs its per-sample gradients.
         if not (self.training and torch.is_grad_enabled()):
+            if self.training:
+                self._note_batch_without_grad(output)
             return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         if not any(p.requires_grad for p in layer.parameters(recurse=False)):
             return None
-        self._check_called_through_wrapper(path)
+        recompute = self._check_called_through_wrapper(path)
         broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+        if recompute == NON_REENTRANT:
+            # Backward runs through the first forward's graph and hooks: hand back the same output,
+            # capture nothing (capture.recompute).
+            return self._replayed_output(output, broadcast_to)
+        if recompute == REENTRANT:
+            self._prepare_recompute_pass()
         if kwargs:
             bound = inspect.signature(layer.forward).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -85,6 +96,28 @@ class LayerHooks:
         else:
             hooked.register_hook(lambda grad: on_output_grad(grad.view(reshape_to)))
         return output
+
+    def _replayed_output(self, output: torch.Tensor, broadcast_to: int | None) -> torch.Tensor | None:
+        """What ``_capture`` hands back for ``output``, without capturing anything: a non-reentrant
+        checkpoint's recomputation must save the same tensors as its first forward (torch checks their
+        shapes), so the output is expanded or copied exactly as ``_capture`` did then."""
+        if broadcast_to is not None:
+            return expand_batch(output, self._batch_dim, broadcast_to)
+        base = output._base
+        if base is not None and not (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()):
+            return output.clone()
+        return None
+
+    def _prepare_recompute_pass(self) -> None:
+        """A reentrant checkpoint is recomputing a forward (``capture.recompute``): its per-sample gradients
+        arrive in a nested backward, whose queued callbacks would run at the nested backward's end. Queue
+        this backward's end-of-pass callbacks now, on the outer backward (the recomputed forward runs in it),
+        so that they run once, when the whole backward is over."""
+        if self._consumer is not None and not self._backward_running:
+            self._backward_running = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if self._usage.phase == "armed":
+            self._queue_usage_check_end()
 
     def _layer_backward(self, path: str, layer: nn.Module, sampler: GradSampler, activations, backprops) -> None:
         backprops, activations = self._batch_first(backprops, activations)

@@ -206,7 +206,11 @@ class IndependenceGuard:
                 torch.random.fork_rng(devices=devices),
                 DeterministicRandom(),
                 without_forward_hooks(self.modules),
+                warnings.catch_warnings(),
             ):
+                # A reentrant activation checkpoint warns that no input requires grad: true under no_grad, and
+                # not the user's concern here (their own forwards run with gradients).
+                warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
                 try:
                     with probe.recording():
                         self.module(*sub_args, **sub_kwargs)

@@ -41,6 +41,7 @@ from privacy_engine.capture.common import HOOKED_MODULES, ParameterUsageError, W
 from privacy_engine.capture.fallback_bridge import FallbackBridge
 from privacy_engine.capture.hooks import LayerHooks
 from privacy_engine.capture.independence import IndependenceGuard
+from privacy_engine.capture.root_parameters import ROOT_PARAMETER_ELEMENTS, RootParameters
 from privacy_engine.capture.state import BatchSizeState, CaptureTables, ForwardFlags, UsageCheckState
 from privacy_engine.capture.step_binding import StepContractBinding, mark_wrapped_parameters, unmark_wrapped_parameters
 from privacy_engine.capture.usage_check import UsageCheck
@@ -52,7 +53,14 @@ __all__ = ["GradSampleModule", "ParameterUsageError"]
 
 
 class GradSampleModule(
-    UsageCheck, LayerHooks, FallbackBridge, StepContractBinding, BatchSizeTracking, WrappedModuleAccess, nn.Module
+    UsageCheck,
+    LayerHooks,
+    FallbackBridge,
+    RootParameters,
+    StepContractBinding,
+    BatchSizeTracking,
+    WrappedModuleAccess,
+    nn.Module,
 ):
     """Wraps ``module``; after ``loss.backward()`` each trainable parameter ``p`` holds
     ``p.grad_sample`` of shape ``(batch, *p.shape)`` next to the ordinary ``p.grad``.
@@ -86,6 +94,13 @@ class GradSampleModule(
     fallback module, without vmap   ``setup_context`` / vmap support)
     model called directly, not      ``RuntimeError`` at the first hooked layer
     through the wrapper (training)
+    activation checkpointing        exact, equal to the run without it (``capture.recompute``);
+    (torch.utils.checkpoint, HF)    a forward during backward that is not a recomputation:
+                                    ``RuntimeError``
+    parameter owned by the root     its own per-sample gradients by forward-mode tangents
+    itself (CLIP ``logit_scale``)   (``capture.root_parameters``); children hooked as usual
+    module owning only frozen       no fallback owner (children hooked); unfrozen after
+    parameters (no sampler)         wrapping: ``RuntimeError`` at the next training forward
     sampler returns a wrong shape   ``RuntimeError`` naming the sampler and module
     backward twice on one forward   ``RuntimeError`` (inputs were freed after use)
     empty batch (Poisson sampling)  ``grad_sample`` of shape ``(0, *p.shape)``
@@ -154,8 +169,13 @@ class GradSampleModule(
         self._backward_running = False
         self._awaiting_backward = False  # a forward on a drawn batch ran and its backward has not
         self._independence = IndependenceGuard(module, batch_dim=self._batch_dim, strict=strict)
+        root_parameters = _root_parameters_by_tangents(module)
+        self._tables.root_parameters = root_parameters
+        for _, param in root_parameters:
+            self._tables.owner_paths.setdefault(param, "")
         try:
-            for path, layer, sampler in self._plan(module):
+            plan, self._tables.unowned = self._plan(module, skip_root=bool(root_parameters))
+            for path, layer, sampler in plan:
                 self._attach(path, layer, sampler)
             self._tables.handles.append(module.register_forward_pre_hook(self._note_input_batch, with_kwargs=True))
         except BaseException:
@@ -167,23 +187,37 @@ class GradSampleModule(
 
     # ------------------------------------------------------------------ wrapping
     @staticmethod
-    def _plan(root: nn.Module) -> list[tuple[str, nn.Module, GradSampler | None]]:
-        """(path, module, sampler or None for the fallback) for each module owning parameters."""
+    def _plan(
+        root: nn.Module, *, skip_root: bool = False
+    ) -> tuple[list[tuple[str, nn.Module, GradSampler | None]], list[tuple[str, nn.Parameter]]]:
+        """(path, module, sampler or None for the fallback) for each module owning parameters, and the
+        frozen parameters no module owns.
+
+        A module with a grad sampler owns its parameters, frozen or not (its hook checks ``requires_grad``
+        at each forward). A module without one owns them only if one is trainable: then the fallback
+        differentiates its whole subtree; a module whose own parameters are all frozen is no fallback owner
+        (its children are planned as usual) and its parameters are listed as unowned (refused at the
+        forward if unfrozen). ``skip_root``: the root's own parameters have their own path
+        (``capture.root_parameters``)."""
         register_optional_samplers()  # samplers for layers of libraries imported since (HF Conv1D)
         plan: list[tuple[str, nn.Module, GradSampler | None]] = []
+        unowned: list[tuple[str, nn.Parameter]] = []
 
         def visit(path: str, module: nn.Module) -> None:
-            owns_parameters = next(module.parameters(recurse=False), None) is not None
+            own = list(module.named_parameters(recurse=False))
             sampler = grad_sampler_for(module)
-            if owns_parameters:
-                plan.append((path, module, sampler))
-                if sampler is None:
-                    return  # the fallback differentiates the whole subtree
+            if own and not (skip_root and module is root):
+                if sampler is not None or any(p.requires_grad for _, p in own):
+                    plan.append((path, module, sampler))
+                    if sampler is None:
+                        return  # the fallback differentiates the whole subtree
+                else:
+                    unowned.extend((f"{path}.{name}" if path else name, p) for name, p in own)
             for name, child in module.named_children():
                 visit(f"{path}.{name}" if path else name, child)
 
         visit("", root)
-        return plan
+        return plan, unowned
 
     def _attach(self, path: str, layer: nn.Module, sampler: GradSampler | None) -> None:
         """Instrument one module that owns parameters (``sampler``: its grad sampler, None for the fallback).
@@ -270,15 +304,32 @@ class GradSampleModule(
         self._batch_sizes.forward_batch = None
         if bound:
             self._before_bound_forward()
+        training = self.training and torch.is_grad_enabled()
+        if training:
+            self._check_unowned_frozen()
         self._flags.in_forward = True
         try:
-            output = self._module(*args, **kwargs)
+            with self._root_parameter_forward() if training else contextlib.nullcontext() as root_pass:
+                output = self._module(*args, **kwargs)
         finally:
             self._flags.in_forward = False
+        if training:
+            output = self._attach_root_parameter_grads(root_pass, args, kwargs, output)
         if bound:
             self._independence.after_training_forward(self, args, kwargs, output)
             self._after_bound_forward(args, kwargs)
         return output
+
+    def _check_unowned_frozen(self) -> None:
+        """A parameter frozen at wrapping that no module took as owner (``_plan``) and is trainable now would
+        train without per-sample gradients: refuse the forward."""
+        for name, param in self._tables.unowned:
+            if param.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen when the model was wrapped, so no per-sample gradient is computed "
+                    f"for it, and it is trainable now. Unfreeze it before wrapping (make_private), or wrap the model "
+                    f"again."
+                )
 
     # ------------------------------------------------------------------ the step contract: training/'s calls
     def forget_forward_batch(self) -> None:
@@ -322,6 +373,20 @@ class GradSampleModule(
         """``(name, parameter)`` of the wrapped module's parameters with ``requires_grad``, in ``named_parameters``
         order (names without the ``_module.`` prefix)."""
         return [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+
+
+def _root_parameters_by_tangents(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The root's own parameters, when they take the forward-mode path (``capture.root_parameters``): the root
+    has no grad sampler, owns at most ``ROOT_PARAMETER_ELEMENTS`` elements itself, and some descendant owns
+    parameters (otherwise the root is one fallback module, as before). Empty otherwise."""
+    own = list(module.named_parameters(recurse=False))
+    if not own or grad_sampler_for(module) is not None:
+        return []
+    if sum(p.numel() for _, p in own) > ROOT_PARAMETER_ELEMENTS:
+        return []
+    if not any(next(m.parameters(recurse=False), None) is not None for m in module.modules() if m is not module):
+        return []
+    return own
 
 
 def _check_hooks_mode(grad_sample_mode: str) -> None:

@@ -134,16 +134,18 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwarg
 
 
 @contextlib.contextmanager
-def without_forward_hooks(modules):
+def without_forward_hooks(modules, keep: frozenset[int] = frozenset()):
     """The check's forwards run without the forward hooks of the model, the engine and the user (global ones
     included): they are not training forwards, and a hook (logging activations, registering gradient hooks)
-    must see only those. The probe's own hooks go on the emptied dicts."""
+    must see only those. The probe's own hooks go on the emptied dicts. ``keep``: the ids of hooks
+    (``RemovableHandle.id``) left in place (the engine's per-example loss hooks, for a pass that must return
+    what the real forward returned)."""
     saved = [(module, {name: getattr(module, name) for name in _HOOK_DICTS}) for _, module in modules]
     saved_global = {name: getattr(module_globals, name) for name in _GLOBAL_HOOK_DICTS}
     try:
-        for _, module in modules:
-            for name in _HOOK_DICTS:
-                setattr(module, name, OrderedDict())
+        for module, hooks in saved:
+            for name, value in hooks.items():
+                setattr(module, name, OrderedDict((key, hook) for key, hook in value.items() if key in keep))
         for name in _GLOBAL_HOOK_DICTS:
             setattr(module_globals, name, OrderedDict())
         yield

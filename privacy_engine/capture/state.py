@@ -49,6 +49,8 @@ class CaptureTables:
     ``batchnorms``: BatchNorm modules, refused in training mode at every forward. ``handles``: hooks to
     remove at unwrapping. ``patched``: modules whose ``forward`` was replaced on the instance;
     ``instance_forwards``: the instance forwards they had before (put back at unwrapping).
+    ``root_parameters``: the root's own parameters when they take the forward-mode path
+    (``capture.root_parameters``). ``unowned``: frozen parameters no module owns (refused if unfrozen).
     """
 
     param_names: dict[nn.Parameter, str]
@@ -57,6 +59,8 @@ class CaptureTables:
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     patched: list[nn.Module] = field(default_factory=list)
     instance_forwards: dict[nn.Module, object] = field(default_factory=dict)
+    root_parameters: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    unowned: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -80,7 +84,8 @@ class UsageCheckState:
     ``GradSampleModule.checks_parameter_usage``). The other fields live while armed: per parameter, the
     sum of its per-sample gradients, the sum of their norms (the scale of rounding), the size of the terms
     they sum (``UsageCheck._record_term_scales``), the least precise dtype of the computation; autocast's
-    dtype at the forward; the hooks on the parameters.
+    dtype at the forward; the hooks on the parameters; ``end_queued``: ``_finish_usage_check`` is queued on
+    the running backward (by the first record, or earlier by a reentrant checkpoint's recomputation).
     """
 
     phase: str = "pending"
@@ -90,11 +95,13 @@ class UsageCheckState:
     dtypes: dict[nn.Parameter, torch.dtype] = field(default_factory=dict)
     autocast_dtype: torch.dtype | None = None
     handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    end_queued: bool = False
 
     def clear_records(self) -> None:
         """Drop what the last armed backward recorded (the hooks are the caller's to remove)."""
         self.sums, self.magnitudes = {}, {}
         self.term_scales, self.dtypes = {}, {}
+        self.end_queued = False
 
 
 @dataclass(eq=False)
@@ -104,10 +111,13 @@ class BatchSizeState:
     ``forward_batch``: (first layer, batch size) that fixed it, reset by ``forward``. Reset per forward by
     the pre-hook on the wrapped module: ``input_batch`` (the size most tensor inputs have, if unambiguous),
     ``forward_single`` (the first layer left at batch 1 while no batch was known), ``forward_broadcast``
-    ((layer, size): the first layer expanded to the batch).
+    ((layer, size): the first layer expanded to the batch), ``forward_without_grad`` (the batch size of
+    instrumented layers that ran without gradients, e.g. in a reentrant checkpoint's first forward: used
+    only when no layer ran with gradients).
     """
 
     forward_batch: tuple[str, int] | None = None
     input_batch: int | None = None
     forward_single: str | None = None
     forward_broadcast: tuple[str, int] | None = None
+    forward_without_grad: int | None = None

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from privacy_engine.batches.tickets import BatchTicket
+from privacy_engine.capture.recompute import checkpoint_recompute
 from privacy_engine.models.validation import submodule_label
 
 __all__ = ["StepContractBinding", "mark_wrapped_parameters", "unmark_wrapped_parameters", "wrapper_holding"]
@@ -138,21 +139,40 @@ class StepContractBinding:
             # batch, which the optimizer refuses to release when it has a private loader.
             self._grad_sample_ticket = self._forward_ticket or BatchTicket(loader_step=None, size=0)
 
-    def _check_called_through_wrapper(self, path: str) -> None:
-        """A training forward of a hooked layer must come through this wrapper's forward: otherwise the
-        model was called directly (a training framework holding the unwrapped model, e.g. a plain HF
-        Trainer), and that forward's batch is not the one the private loader drew and accounted for."""
-        if not self._flags.in_forward and not self._flags.released:
-            if torch._C._current_autograd_node() is not None:
-                raise RuntimeError(
-                    f"{submodule_label(self._module, path)} ran a forward during a backward pass: activation "
-                    f"checkpointing (which recomputes forwards in backward) is not supported with per-sample "
-                    f"gradients. Turn it off (Hugging Face: model.gradient_checkpointing_disable())."
-                )
+    def _recompute_kind(self) -> str | None:
+        """The kind of activation-checkpointing recomputation running now (``capture.recompute``), or None:
+        inside this wrapper's own forward there is none to look for."""
+        if self._flags.in_forward:
+            return None
+        return checkpoint_recompute()
+
+    def _check_called_through_wrapper(self, path: str) -> str | None:
+        """A training forward of a hooked layer must come through this wrapper's forward, or be
+        ``torch.utils.checkpoint``'s recomputation of one during backward; return None for the former and the
+        recomputation's kind (``capture.recompute.REENTRANT`` / ``NON_REENTRANT``) for the latter.
+
+        Anything else raises ``RuntimeError``: the model called directly (a training framework holding the
+        unwrapped model, e.g. a plain HF Trainer), whose batch is not the one the private loader drew and
+        accounted for; or a forward run during a backward pass that is not a checkpoint's recomputation (a
+        hook calling the model). The recomputation is recognised by torch's own markers (the reentrant
+        checkpoint's backward node, the non-reentrant checkpoint's recomputation saved-tensor hooks), never
+        by the absence of the wrapper's forward alone; see ``capture.recompute``."""
+        if self._flags.in_forward or self._flags.released:
+            return None
+        recompute = checkpoint_recompute()
+        if recompute is not None:
+            return recompute
+        if torch._C._current_autograd_node() is not None:
             raise RuntimeError(
-                f"{submodule_label(self._module, path)} ran a training forward (training mode, gradients on) "
-                f"without going through its {type(self).__name__}: the wrapped model was called directly. Call the "
-                f"wrapper make_private returned (with Hugging Face Trainer, use "
-                f"privacy_engine.integrations.hf_trainer.DPTrainer, which also draws the batches the accountant "
-                f"records), or call model.eval() / torch.no_grad() for forwards that are not training steps."
+                f"{submodule_label(self._module, path)} ran a training forward during a backward pass, and not as "
+                f"torch.utils.checkpoint's recomputation: its batch was never drawn by the private loader. Run "
+                f"forwards outside backward (activation checkpointing through torch.utils.checkpoint, "
+                f"checkpoint_sequential or Hugging Face's gradient_checkpointing_enable() is supported)."
             )
+        raise RuntimeError(
+            f"{submodule_label(self._module, path)} ran a training forward (training mode, gradients on) "
+            f"without going through its {type(self).__name__}: the wrapped model was called directly. Call the "
+            f"wrapper make_private returned (with Hugging Face Trainer, use "
+            f"privacy_engine.integrations.hf_trainer.DPTrainer, which also draws the batches the accountant "
+            f"records), or call model.eval() / torch.no_grad() for forwards that are not training steps."
+        )

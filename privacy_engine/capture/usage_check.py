@@ -44,8 +44,7 @@ class UsageCheck:
 
     def _record_for_usage_check(self, param: nn.Parameter, grads: torch.Tensor, batch_size: int) -> None:
         usage = self._usage
-        if not usage.sums:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_usage_check)
+        self._queue_usage_check_end()
         grads = grads.detach()
         self._note_check_dtype(param, grads.dtype)
         # Summed in float32 at least: a half-precision sum would add its own rounding to the comparison.
@@ -60,6 +59,12 @@ class UsageCheck:
         if self.loss_reduction == "mean":
             magnitude /= max(batch_size, 1)
         usage.magnitudes[param] = usage.magnitudes.get(param, 0.0) + magnitude
+
+    def _queue_usage_check_end(self) -> None:
+        """Queue ``_finish_usage_check`` at the end of the running backward, once per armed check."""
+        if not self._usage.end_queued:
+            self._usage.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_usage_check)
 
     def _note_check_dtype(self, param: nn.Parameter, dtype: torch.dtype) -> None:
         """Keep the least precise floating dtype a parameter's per-sample computation went through."""

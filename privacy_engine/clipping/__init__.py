@@ -5,6 +5,8 @@ before noise).
 file                   what it holds
 =====================  ================================================================
 ``rule.py``            ``clip_factors``: the rule every clipping path applies
+``adaptive.py``        ``AdaptiveClipping``: clip norms that track a quantile of the
+                       per-example norms (Andrew et al. 2021), their count and its noise
 ``config.py``          ``ClippingConfig`` (bounds, flat / per_layer), ``parameter_groups``
 ``clipper.py``         ``PerSampleGradientClipper``: clips materialised per-sample
                        gradients and holds the clipped sum until the step
@@ -17,6 +19,7 @@ file                   what it holds
 =====================  ================================================================
 """
 
+from privacy_engine.clipping.adaptive import AdaptiveClipping, AdaptiveClippingOptions, gradient_noise_multiplier
 from privacy_engine.clipping.clipper import PerSampleGradientClipper
 from privacy_engine.clipping.config import CLIPPING_MODES, ClippingConfig, MaxGradNorm, parameter_groups
 from privacy_engine.clipping.rule import clip_factors, validate_max_grad_norm
@@ -24,11 +27,14 @@ from privacy_engine.clipping.stats import ClippingStats
 
 __all__ = [
     "CLIPPING_MODES",
+    "AdaptiveClipping",
+    "AdaptiveClippingOptions",
     "ClippingConfig",
     "ClippingStats",
     "MaxGradNorm",
     "PerSampleGradientClipper",
     "clip_factors",
+    "gradient_noise_multiplier",
     "parameter_groups",
     "validate_max_grad_norm",
 ]

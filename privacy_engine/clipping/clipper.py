@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from privacy_engine.clipping.adaptive import AdaptiveClipping
 from privacy_engine.clipping.config import ClippingConfig, MaxGradNorm
 from privacy_engine.clipping.per_sample_ops import (
     all_finite,
@@ -75,6 +76,10 @@ class PerSampleGradientClipper:
         groups: for ``per_layer``, a partition of ``params`` into groups (e.g. from
             ``parameter_groups``); default one group per parameter. Ignored for ``flat``.
         nan_safe, rescale_to_unit_norm: see ``ClippingConfig``.
+        adaptive: an ``AdaptiveClipping`` (one clip norm per group) whose ``clip_norms`` are the
+            bounds in force (read at every clipping call; ``max_grad_norm`` is then only the bounds the
+            configuration and checkpoints are checked against) and which counts, at every call, the
+            examples left unclipped. ``None``: fixed bounds.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class PerSampleGradientClipper:
         groups: Sequence[Sequence[nn.Parameter]] | None = None,
         nan_safe: bool = True,
         rescale_to_unit_norm: bool = False,
+        adaptive: AdaptiveClipping | None = None,
     ) -> None:
         self.config = ClippingConfig(
             max_grad_norm=max_grad_norm,
@@ -106,8 +112,15 @@ class PerSampleGradientClipper:
         self._check_partition()
         self._index_of: dict[int, int] = {id(p): i for i, p in enumerate(self.params)}
         self._group_of: dict[int, int] = {id(p): g for g, group in enumerate(self.groups) for p in group}
-        self.bounds: tuple[float, ...] = self.config.group_bounds(len(self.groups))
-        self.total_bound: float = math.sqrt(sum(b * b for b in self.bounds))
+        self._configured_bounds: tuple[float, ...] = self.config.group_bounds(len(self.groups))
+        self._configured_total_bound: float = math.sqrt(sum(b * b for b in self._configured_bounds))
+        #: Adaptive clipping (``privacy_engine.clipping.adaptive``): the owner of the bounds in force; None: fixed.
+        self.adaptive: AdaptiveClipping | None = adaptive
+        if adaptive is not None:
+            if adaptive.num_groups != len(self.groups):
+                raise ValueError(f"adaptive has {adaptive.num_groups} clip norms; the clipper has {len(self.groups)} groups")
+            if rescale_to_unit_norm:
+                raise ValueError("rescale_to_unit_norm with adaptive clipping: the bound changes every step; use one or the other")
         self._accumulated: dict[int, torch.Tensor] = {}  # param index -> clipped sum
         self._totals: torch.Tensor | None = None  # see ClippingStats.totals (restored from a state_dict)
         # (norms, padding mask) of each call since the last pre_step: the statistics are computed from them
@@ -133,6 +146,18 @@ class PerSampleGradientClipper:
             raise ValueError("groups do not cover every parameter in params; each must be in exactly one group")
 
     # ------------------------------------------------------------------ properties
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The bound in force for each group: ``max_grad_norm``'s, or adaptive clipping's current clip norms."""
+        return self._configured_bounds if self.adaptive is None else self.adaptive.clip_norms
+
+    @property
+    def total_bound(self) -> float:
+        """``sqrt(sum_g bound_g^2)``: the L2 bound of one example's whole clipped gradient, now."""
+        if self.adaptive is None:
+            return self._configured_total_bound
+        return math.sqrt(sum(b * b for b in self.adaptive.clip_norms))
+
     @property
     def sensitivity(self) -> float:
         """L2 norm bound of one example's contribution: the scale the noise must be drawn at."""
@@ -384,26 +409,36 @@ class PerSampleGradientClipper:
         self._accumulated = {}
         self._totals = None
         self._stat_batches = []
+        if self.adaptive is not None:
+            self.adaptive.discard_count()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, object]:
         """The accumulated sums (clipped, un-noised gradients: keep them as secret as the data)
         and statistics, so a run saved between micro-batches of one logical step resumes exactly."""
-        return {
+        state = {
             "accumulated": {index: total.detach().clone() for index, total in self._accumulated.items()},
             "totals": combined_totals(self._totals, self._stat_batches, self.bounds) if self.has_accumulated else None,
-            "bounds": list(self.bounds),
+            "bounds": list(self._configured_bounds),
             "clipping": self.config.clipping,
         }
+        if self.adaptive is not None:
+            state["adaptive"] = self.adaptive.state_dict()  # the bounds in force and the open count
+        return state
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore ``state_dict()``; raises (changing nothing) if it was saved by a clipper with
         other bounds, another mode or other parameter shapes."""
-        if state.get("clipping") != self.config.clipping or tuple(state.get("bounds", ())) != self.bounds:
+        if state.get("clipping") != self.config.clipping or tuple(state.get("bounds", ())) != self._configured_bounds:
             raise ValueError(
                 f"clipper state was saved with clipping={state.get('clipping')!r}, bounds={state.get('bounds')}; "
-                f"this clipper has clipping={self.config.clipping!r}, bounds={list(self.bounds)}"
+                f"this clipper has clipping={self.config.clipping!r}, bounds={list(self._configured_bounds)}"
             )
+        if ("adaptive" in state) != (self.adaptive is not None):
+            raise ValueError("clipper state was saved with adaptive clipping on" if "adaptive" in state
+                             else "clipper state was saved without adaptive clipping; this clipper has it")  # fmt: skip
+        if self.adaptive is not None:
+            self.adaptive.check_state_dict(state["adaptive"])
         accumulated = dict(state["accumulated"])
         for index, total in accumulated.items():
             if not (0 <= int(index) < len(self.params)) or tuple(total.shape) != tuple(self.params[int(index)].shape):
@@ -415,6 +450,8 @@ class PerSampleGradientClipper:
         totals = state["totals"]
         self._totals = None if totals is None else totals.clone()
         self._stat_batches = []
+        if self.adaptive is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -449,5 +486,8 @@ class PerSampleGradientClipper:
         self._record_stats(norms, padding_mask)
 
     def _record_stats(self, norms: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+        if self.adaptive is not None:
+            # Counted against the bounds these norms were just clipped with (fixed within a logical step).
+            self.adaptive.count_unclipped_(norms, padding_mask)
         # Copies (a few numbers per example): the caller's tensors may change before the totals are read.
         self._stat_batches.append((norms.detach().clone(), None if padding_mask is None else padding_mask.clone()))

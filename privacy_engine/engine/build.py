@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from accountants import Accountant
+from privacy_engine.auditing.canaries import GradientCanaries
+from privacy_engine.auditing.input_canaries import InputCanaries
 from privacy_engine.clipping import PerSampleGradientClipper
 from privacy_engine.engine.budget import PrivacyBudget
 from privacy_engine.engine.connect import connect_private
 from privacy_engine.engine.ledger import ledger_for
+from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.plan import Plan
 from privacy_engine.training import distributed
 from privacy_engine.training.data_loader import DPDataLoader
 from privacy_engine.training.optimizer import DPOptimizer
+from privacy_engine.training.optimizer_arguments import build_adaptive_clipping
 from privacy_engine.training.sampling import ShuffledBatches
 
 __all__ = ["private_optimizer", "wrap_model"]
@@ -35,12 +40,18 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     clipper = PerSampleGradientClipper(
         plan.params,
         options.max_grad_norm,
-        clipping=options.clipping,
+        clipping=options.clipper_mode,
         groups=plan.groups,
         nan_safe=options.nan_safe,
         rescale_to_unit_norm=options.rescale_to_unit_norm,
     )
+    noise = plan.make_noise()
+    if options.adaptive_clipping is not None:
+        # After the noise mechanism: an unseeded count generator takes its seed from torch's global generator.
+        clipper = build_adaptive_clipping(clipper, options.adaptive_clipping, noise_seed=_count_seed(options),
+                                          secure_mode=secure_mode)  # fmt: skip
     sampled = isinstance(loader, DPDataLoader)
+    canaries = audit_canaries(plan, secure_mode=secure_mode)
     if not sampled:
         warnings.warn(
             "poisson_sampling=False: batches are the loader's own (shuffled, fixed size), but the accountant "
@@ -53,14 +64,22 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
         expected_batch_size=noise_plan.expected_batch_size,
         loss_reduction=options.loss_reduction,
         clipper=clipper,
-        noise=plan.make_noise(),
+        noise=noise,
         accountant=ledger_for(accountant, noise_plan),
         sample_rate=noise_plan.sample_rate,
         padding_mask_source=(lambda: loader.padding_mask) if sampled else None,
         source=source,
         per_user_clipping=False,
         budget=budget,
+        # Only with an audit, so that the optimizer classes of the Opacus namespace are called as before.
+        **({} if canaries is None else {"canaries": canaries}),
     )
+    if isinstance(canaries, InputCanaries):
+        # Examples of the loader's dataset: only the releases are counted (scored on the trained model).
+        optimizer.attach_step_hook(canaries.count_release)
+    elif canaries is not None:
+        # Scored after the noise, from what is released (a public step hook: it sees nothing un-noised).
+        optimizer.attach_step_hook(canaries.score_release)
     if not sampled:
         # The loader's own fixed-size batches: a release of k of them is k disjoint draws of one epoch.
         optimizer.shuffled_batches = ShuffledBatches(batch_size=int(loader.batch_size), batches_per_epoch=len(loader))
@@ -70,6 +89,34 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     if options.grad_scaler is not None:
         optimizer.attach_grad_scaler(options.grad_scaler)
     return optimizer
+
+
+def audit_canaries(plan: Plan, *, secure_mode: bool) -> GradientCanaries | InputCanaries | None:
+    """The canaries of ``plan.options.audit`` (None without an audit). Input canaries: the plan's (already in
+    its loader's dataset; in the optimizer only for their state). Gradient canaries: over the plan's private
+    parameters, one cyclic group each among the noise's bands. Seeded from ``audit.seed``, else one draw from
+    torch's global generator (taken after the loader's, so an audited run samples the same batches as one
+    without); secure mode: the OS. DDP: every rank holds them, only rank 0 adds them (the clipped sums are
+    all-reduced after, so they are in each release once); every rank scores the same reduced release."""
+    audit = plan.options.audit
+    if audit is None:
+        return None
+    if audit.kind == "input":
+        return plan.input_canaries
+    seed = audit.canary_seed(secure_mode=secure_mode)
+    return GradientCanaries(
+        audit.num_canaries, sum(p.numel() for p in plan.params), seed, directions=audit.directions,
+        num_groups=plan.noise_plan.num_bands, secure_mode=secure_mode,
+        adds_contributions=plan.distributed is None or plan.distributed.rank == 0,
+    )  # fmt: skip
+
+
+def _count_seed(options: PrivacyOptions) -> int | None:
+    """The seed of adaptive clipping's count noise: ``noise_seed``, or one draw from ``noise_generator`` (as
+    the noise mechanism takes one), or None (torch's global generator; secure mode: the OS)."""
+    if options.noise_seed is not None or options.noise_generator is None:
+        return options.noise_seed
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=options.noise_generator).item())
 
 
 def wrap_model(plan: Plan, optimizer: DPOptimizer) -> tuple[nn.Module, DPOptimizer, DataLoader]:

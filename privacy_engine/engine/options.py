@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import torch
 
 from accountants import Accountant, make_accountant
+from privacy_engine.auditing.config import AuditConfig
+from privacy_engine.clipping import AdaptiveClippingOptions
 from privacy_engine.engine.budget import PrivacyBudget, budget_from
 from privacy_engine.engine.limits import check_bandmf_size, check_target_epsilon
 from privacy_engine.noise import NoiseMechanism
@@ -64,6 +66,10 @@ __all__ = [
 #: composed sampled Gaussian) is read as dp-accounting's PLD accountant.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
 NOISE_MECHANISMS = ("gaussian", "bandmf")
+#: Adaptive clipping's options (``AdaptiveClippingOptions``' fields), Opacus's names.
+_ADAPTIVE_OPTIONS = (
+    "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound", "min_clipbound", "unclipped_num_std",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +125,15 @@ class PrivacyOptions:
         poisson_sampling: Poisson-sample batches (True, what the accounting assumes) or keep the loader
             (False: its shuffled batches are accounted as if Poisson, an approximation; a warning says
             so). BandMF needs True.
-        clipping: ``"flat"`` or ``"per_layer"``.
+        clipping: ``"flat"`` or ``"per_layer"``; ``"adaptive"`` / ``"per_layer_adaptive"``: the same, with
+            adaptive clipping (Andrew et al. 2021, ``privacy_engine.clipping.adaptive``): ``max_grad_norm`` is
+            the initial clip norm (per layer: norms), each then tracking ``target_unclipped_quantile`` of the
+            per-example norms; needs the five options below.
+        target_unclipped_quantile, clipbound_learning_rate, max_clipbound, min_clipbound, unclipped_num_std:
+            adaptive clipping's options (``AdaptiveClippingOptions``, as Opacus's ``AdaClipDPOptimizer``),
+            all required with an adaptive ``clipping`` and refused without. The gradient is noised at
+            sigma_delta = (sigma^-2 - G (2 unclipped_num_std)^-2)^(-1/2), so that the step (gradient and count)
+            is accounted as DP-SGD at ``noise_multiplier``; needs ``2 unclipped_num_std > sqrt(G) sigma``.
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         batch_first: the batch is dim 0 (True) or dim 1 of the model's inputs.
         noise_seed: seed for reproducible noise (``None``: one draw from torch's global generator, so
@@ -153,6 +167,12 @@ class PrivacyOptions:
         nan_safe, rescale_to_unit_norm: see ``PerSampleGradientClipper``.
         grad_scaler: a ``torch.amp.GradScaler`` for fp16 loss scaling, attached to the private
             optimizer (``DPOptimizer.attach_grad_scaler``: clipping at the unscaled size).
+        audit: an ``auditing.AuditConfig``: one-run auditing (``engine.audit_report()``) with gradient
+            canaries added to the clipped sums before the noise (counted in no accounting), or input
+            canaries (``kind="input"``) appended to the loader's dataset (examples: the dataset's size,
+            sample rate and accounting are those of the enlarged dataset; no DDP); ``None``: none. Needs
+            Poisson sampling (``poisson_sampling=True``) and no ``max_batch_size``: only there does a
+            canary take part exactly as an example does.
     """
 
     max_grad_norm: float | Sequence[float]
@@ -176,6 +196,12 @@ class PrivacyOptions:
     nan_safe: bool = True
     rescale_to_unit_norm: bool = False
     grad_scaler: torch.amp.GradScaler | None = None
+    audit: AuditConfig | None = None
+    target_unclipped_quantile: float | None = None
+    clipbound_learning_rate: float | None = None
+    max_clipbound: float | None = None
+    min_clipbound: float | None = None
+    unclipped_num_std: float | None = None
 
     def __post_init__(self) -> None:
         self._check_target_and_budget()
@@ -186,6 +212,7 @@ class PrivacyOptions:
         self._check_noise_std()
         self._check_noise_mechanism()
         self._check_max_batch_size()
+        self._check_audit()
         self.performance  # noqa: B018  (PerformanceFlags checks grad_sample_mode and grad_scaler)
 
     # ------------------------------------------------------------------ derived settings
@@ -243,8 +270,29 @@ class PrivacyOptions:
         if self.noise_multiplier is not None:
             self._set("noise_multiplier", check_noise_multiplier(self.noise_multiplier))
 
+    @property
+    def clipper_mode(self) -> str:
+        """The clipper's mode: ``"flat"`` or ``"per_layer"`` (an adaptive ``clipping`` without its prefix)."""
+        return {"adaptive": "flat", "per_layer_adaptive": "per_layer"}.get(self.clipping, self.clipping)
+
+    @property
+    def adaptive_clipping(self) -> AdaptiveClippingOptions | None:
+        """Adaptive clipping's options (checked at construction), or None for fixed bounds."""
+        if self.clipping == self.clipper_mode:
+            return None
+        return AdaptiveClippingOptions(**{name: getattr(self, name) for name in _ADAPTIVE_OPTIONS})
+
     def _check_choices(self) -> None:
-        check_clipping(self.clipping)
+        check_clipping(self.clipping, adaptive=True)
+        given = [name for name in _ADAPTIVE_OPTIONS if getattr(self, name) is not None]
+        if self.clipping == self.clipper_mode and given:
+            raise ValueError(f"{given[0]} is an adaptive clipping option: it needs clipping='adaptive' (or "
+                             f"'per_layer_adaptive'); got clipping={self.clipping!r}")  # fmt: skip
+        if self.clipping != self.clipper_mode:
+            missing = [name for name in _ADAPTIVE_OPTIONS if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"clipping={self.clipping!r} needs {missing} (adaptive clipping's options)")
+            self.adaptive_clipping  # noqa: B018  (AdaptiveClippingOptions checks each, naming it)
         check_loss_reduction(self.loss_reduction)
         for name in ("batch_first", "poisson_sampling", "nan_safe"):
             check_flag(name, getattr(self, name))
@@ -258,7 +306,7 @@ class PrivacyOptions:
     def _check_max_grad_norm(self) -> None:
         """The bounds themselves (each > 0 here: a bound of 0 trains nothing); their number against
         the model's layers is the plan's check. A list is kept as a tuple of floats."""
-        bounds = check_max_grad_norms(self.max_grad_norm, clipping=self.clipping, positive=True)
+        bounds = check_max_grad_norms(self.max_grad_norm, clipping=self.clipper_mode, positive=True)
         if isinstance(bounds, tuple):
             self._set("max_grad_norm", bounds)
         check_rescale_to_unit_norm(self.rescale_to_unit_norm, total_bound(bounds))
@@ -330,6 +378,24 @@ class PrivacyOptions:
         if not self.poisson_sampling:
             raise ValueError("max_batch_size (truncated Poisson sampling) needs poisson_sampling=True")
         self._set("max_batch_size", max_batch_size)
+
+    def _check_audit(self) -> None:
+        """Auditing only where a canary takes part exactly as an example does (so that the accountant's epsilon
+        covers it): Poisson (or cyclic Poisson) sampling, without truncation."""
+        if self.audit is None:
+            return
+        if not isinstance(self.audit, AuditConfig):
+            raise TypeError(f"audit must be a privacy_engine.auditing.AuditConfig or None; got {self.audit!r}")
+        if not self.poisson_sampling:
+            raise ValueError(
+                "audit needs poisson_sampling=True: with the loader's fixed-size shuffled batches a canary cannot take "
+                "part as an example does (each example is in exactly one batch an epoch), so the audit would not be exact"
+            )
+        if self.max_batch_size is not None:
+            raise ValueError(
+                "audit with max_batch_size (truncated sampling) is refused: a canary would not be subject to the "
+                "truncation as an example is, so the audit would not be exact"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- entry points

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
 from accountants import Accountant
+from privacy_engine.auditing.input_canaries import CanaryDataset, InputCanaries
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.capture.manual import ManualGradSampleModule
 from privacy_engine.clipping import parameter_groups
@@ -82,10 +83,13 @@ class Plan:
     distributed: distributed.DistributedJob | None = None
     #: The classes built from the plan (the engine's unless its caller names subclasses).
     classes: BuildClasses = BuildClasses()
+    #: ``audit=AuditConfig(kind="input")``: the canaries appended to the private loader's dataset; else None.
+    input_canaries: InputCanaries | None = None
 
     # Read by name by distributed.plan_settings, which compares them across ranks.
     max_grad_norm = _option("max_grad_norm")
     clipping = _option("clipping")
+    adaptive_clipping = _option("adaptive_clipping")
     loss_reduction = _option("loss_reduction")
     grad_sample_mode = _option("grad_sample_mode")
     nan_safe = _option("nan_safe")
@@ -112,6 +116,9 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     if problems:
         raise UnsupportedModuleError("cannot compute per-sample gradients:\n- " + "\n- ".join(problems))
     groups = _clipping_groups(model, params, options)
+    # Input canaries are examples: appended before the loader's shape is read, so that the sample rate, the
+    # steps of an epoch and the accounting are those of the enlarged dataset the private loader samples.
+    input_canaries, data_loader = _with_input_canaries(data_loader, options, secure_mode=secure_mode, job=job)
     shape = _loader_shape(data_loader, options)
     if options.target is not None:
         # Calibration time grows with the accounted steps: refused before any search.
@@ -133,6 +140,7 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     return Plan(
         options=options, model=model, optimizer=optimizer, private_loader=private_loader, params=params,
         groups=groups, make_noise=choice.make_noise, distributed=job, noise_plan=noise_plan,
+        input_canaries=input_canaries,
     )  # fmt: skip
 
 
@@ -180,7 +188,7 @@ def _check_parameters(model: nn.Module, optimizer: Optimizer) -> list:
 
 def _clipping_groups(model: nn.Module, params: list, options: PrivacyOptions) -> list | None:
     """Per-layer clipping: one group per bound (the bounds themselves are checked by the options)."""
-    if options.clipping == "flat":
+    if options.clipper_mode == "flat":
         return None
     layers = parameter_groups(model, params, per="layer")
     bounds = options.max_grad_norm
@@ -229,6 +237,49 @@ def _loader_shape(data_loader: DataLoader, options: PrivacyOptions) -> LoaderSha
         private_steps_per_epoch=private_steps_per_epoch,
         accounted_steps_per_epoch=private_steps_per_epoch if options.poisson_sampling else steps_per_epoch,
     )  # fmt: skip
+
+
+def _with_input_canaries(data_loader: DataLoader, options: PrivacyOptions, *, secure_mode: bool,
+                         job: distributed.DistributedJob | None) -> tuple[InputCanaries | None, DataLoader]:  # fmt: skip
+    """``audit=AuditConfig(kind="input")``: the canaries, and a loader like ``data_loader`` over its dataset
+    followed by the included canaries (``CanaryDataset``); otherwise ``(None, data_loader)``. The canaries are
+    seeded from ``audit.seed``, else one draw from torch's global generator (secure mode: the OS, and the
+    inclusion too). Raises (nothing built) where a canary could not be sampled exactly as an example."""
+    audit = options.audit
+    if audit is None or audit.kind != "input":
+        return None, data_loader
+    if job is not None:
+        raise ValueError(
+            'audit=AuditConfig(kind="input") with DDP is refused: each rank would have to append the same canaries '
+            "(drawn once and broadcast, the OS's in secure mode) to its dataset; not implemented. Use "
+            'kind="gradient" (added once per release on rank 0) or one process'
+        )
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(type(dataset), "__len__"):
+        raise TypeError(
+            f'audit=AuditConfig(kind="input") needs data_loader.dataset ({type(dataset).__name__}) to be a sized, '
+            "map-style dataset (len(dataset) and dataset[i]): the canaries are appended to it and sampled as its examples"
+        )
+    if len(dataset) < 1:
+        raise ValueError("data_loader is empty")
+    seed = audit.canary_seed(secure_mode=secure_mode)
+    canaries = InputCanaries(
+        audit.num_canaries, seed, example_like=None if audit.canary_fn is not None else dataset[0],
+        num_classes=audit.num_classes, canary_fn=audit.canary_fn, score_fn=audit.score_fn, secure_mode=secure_mode,
+    )  # fmt: skip
+    augmented = CanaryDataset(dataset, canaries)
+    kwargs = DPDataLoader._loader_kwargs(data_loader)
+    sampler = data_loader.sampler
+    if isinstance(sampler, SubsetRandomSampler):
+        # The loader's split, and every appended canary (they belong to no other split).
+        indices = [int(i) for i in sampler.indices] + list(range(augmented.num_real, len(augmented)))
+        loader = DataLoader(augmented, batch_size=data_loader.batch_size,
+                            sampler=SubsetRandomSampler(indices), **kwargs)  # fmt: skip
+    else:
+        # Sequential / shuffled loaders; other samplers are refused by the loader's shape, as without canaries.
+        loader_index_set(data_loader)
+        loader = DataLoader(augmented, batch_size=data_loader.batch_size, **kwargs)
+    return canaries, loader
 
 
 # ---------------------------------------------------------------------------------------------- the noise

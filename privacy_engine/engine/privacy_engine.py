@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import Unpack
 
 from accountants import Accountant
+from privacy_engine.auditing.config import AuditConfig
+from privacy_engine.auditing.report import AuditReport, audit_report
 from privacy_engine.engine import checkpoint
 from privacy_engine.engine.budget import PrivacyBudget, step_kwargs_of
 from privacy_engine.engine.build import private_optimizer, wrap_model
@@ -83,6 +85,9 @@ class PrivacyEngine:
         #: consulted by its optimizer before every release; None for none.
         self.budget: PrivacyBudget | None = None
         self._last_optimizer: DPOptimizer | None = None
+        #: The last audited make_private call: (its AuditConfig, its optimizer, its target_delta, its model, which
+        #: input canaries are scored on); None for none.
+        self._audit: tuple[AuditConfig, DPOptimizer, float | None, nn.Module] | None = None
 
     @property
     def num_bands(self) -> int | None:
@@ -160,6 +165,12 @@ class PrivacyEngine:
         (0, 1)
         grad_scaler not a torch.amp.GradScaler      TypeError naming grad_scaler
         criterion= (as Opacus's ghost mode takes)   TypeError: the loss works unchanged, drop it
+        audit= not an ``auditing.AuditConfig``       TypeError naming audit
+        audit with poisson_sampling=False or        ValueError naming the setting (a canary could
+        max_batch_size                              not take part exactly as an example does)
+        audit seed with secure_mode                 ValueError naming the seed
+        input canaries with DDP                     ValueError naming kind="input"
+        input canaries, dataset iterable/unsized    TypeError naming data_loader.dataset
         ==========================================  =============================================
         """
         _refuse_criterion("make_private", settings)
@@ -231,7 +242,10 @@ class PrivacyEngine:
         self.noise_plan, self.budget, self._last_optimizer = plan.noise_plan, budget, optimizer
         # Wrapped last (its constructor hooks the model), then connected to this optimizer and loader only
         # (engine.build.wrap_model calls connect_private; it unwraps the model again if that refuses).
-        return wrap_model(plan, optimizer)
+        private = wrap_model(plan, optimizer)
+        if plan.options.audit is not None:
+            self._audit = (plan.options.audit, optimizer, plan.options.target_delta, private[0])
+        return private
 
     # ------------------------------------------------------------------ the ledger
     def get_epsilon(self, delta: float) -> float:
@@ -270,6 +284,35 @@ class PrivacyEngine:
             max_epsilon = self.budget.max_epsilon if max_epsilon is None else max_epsilon
             delta = self.budget.delta if delta is None else delta
         return optimizer.accountant.steps_left(max_epsilon, delta, **step_kwargs_of(optimizer))
+
+    # ------------------------------------------------------------------ the audit
+    def audit_report(self, *, confidence: float | None = None, delta: float | None = None,
+                     warn_factor: float | None = None) -> AuditReport:  # fmt: skip
+        """The one-run audit of the last ``make_private(audit=AuditConfig(...))`` run so far: the epsilon lower
+        bound from its canaries' scores (epsilon-DP and GDP variants, at ``confidence``) beside this engine's
+        ``get_epsilon(delta)`` (``auditing.AuditReport``; ``str(report)`` is a table, ``report.plot(path)`` a
+        chart). Defaults from the ``AuditConfig``; ``delta``: its delta, else the run's ``target_delta``, else 1e-5.
+        Warns ``auditing.AuditBoundWarning`` when the lower bound is at least ``warn_factor`` times the claimed
+        epsilon (a bug). ``RuntimeError`` if no ``make_private`` call of this engine had an audit. Input canaries
+        (``kind="input"``) are scored now, on the model as it is (``-loss``, or ``AuditConfig.score_fn``).
+
+        Guarantee: the canaries are counted in no accounting and change no privacy loss of the real examples
+        (they are data-independent vectors added before data-independent noise); a canary takes part in each
+        release exactly as an example does, so the lower bound exceeds the accountant's epsilon with probability
+        at most ``1 - confidence`` unless the code or the accounting is wrong."""
+        if self._audit is None:
+            raise RuntimeError(
+                "no make_private call of this engine had an audit: pass audit=AuditConfig(num_canaries=...)"
+            )
+        config, optimizer, target_delta, model = self._audit
+        delta = next(d for d in (delta, config.delta, target_delta, 1e-5) if d is not None)
+        if config.kind == "input":
+            optimizer.canaries.compute_scores(model)  # -loss of the model as it is now (or score_fn)
+        return audit_report(
+            optimizer.canaries, claimed_epsilon=self.get_epsilon(delta), delta=delta,
+            confidence=config.confidence if confidence is None else confidence,
+            warn_factor=config.warn_factor if warn_factor is None else warn_factor,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

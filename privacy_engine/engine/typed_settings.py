@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import NotRequired, TypedDict
 
+from privacy_engine.auditing.config import AuditConfig
 from privacy_engine.noise import NoiseMechanism
 
 __all__ = [
@@ -51,6 +52,12 @@ class _OptionalSettings(PerformanceSettings, total=False):
     max_batch_size: int | None
     nan_safe: bool
     rescale_to_unit_norm: bool
+    audit: AuditConfig | None
+    target_unclipped_quantile: float | None
+    clipbound_learning_rate: float | None
+    max_clipbound: float | None
+    min_clipbound: float | None
+    unclipped_num_std: float | None
 
 
 class MakePrivateSettings(_OptionalSettings):

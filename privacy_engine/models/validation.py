@@ -49,8 +49,9 @@ def batchnorm_problem(path: str, module: nn.Module) -> str:
     return (
         f"{module_label(path)} is {type(module).__name__} in training mode: its output mixes the examples "
         f"of a batch, so a per-example gradient is undefined. Replace it with "
-        f"nn.GroupNorm(num_groups, {getattr(module, 'num_features', 'num_channels')}) "
-        f"(or put it in eval mode and freeze it)."
+        f"nn.GroupNorm(num_groups, {getattr(module, 'num_features', 'num_channels')}): "
+        f"`model, report = privacy_engine.fix_module(model)` replaces every BatchNorm of the model (affine "
+        f"parameters carried over) before make_private; or put it in eval mode and freeze it."
     )
 
 
@@ -99,9 +100,13 @@ def module_problems(path: str, module: nn.Module) -> list[Problem]:
                 Problem(
                     path,
                     "unsupportable",
-                    f"{label} is {kind}(max_norm={module.max_norm}): it renormalises "
-                    f"its weight in place during forward, which per-sample gradients cannot follow. "
-                    f"Construct it with max_norm=None.",
+                    f"{label} is {kind}(max_norm={module.max_norm}): every forward renormalises, in place and "
+                    f"outside autograd, the weight rows its batch looks up. Which rows are rewritten depends on "
+                    f"the private examples (the tokens they contain), and that change leaves with the model with "
+                    f"no clipping and no noise, whatever the per-sample gradients. Construct it with "
+                    f"max_norm=None (fix_module leaves it: that changes the model); to bound the vectors, rescale "
+                    f"the looked-up vectors in the forward instead, out of place "
+                    f"(v * (max_norm / v.norm(dim=-1, keepdim=True)).clamp(max=1)).",
                 )
             )
         if module.scale_grad_by_freq:

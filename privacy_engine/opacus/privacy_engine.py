@@ -44,6 +44,7 @@ from privacy_engine.opacus.grad_sample import (
     GradSampleModuleNoOp,
 )
 from privacy_engine.opacus.optimizers import DPOptimizer
+from privacy_engine.opacus.optimizers.adaclipoptimizer import AdaClipFromClipper
 from privacy_engine.opacus.typed_settings import OpacusMakePrivateSettings, OpacusMakePrivateWithEpsilonSettings
 from privacy_engine.opacus.validators import fixer_attribute
 
@@ -60,6 +61,8 @@ _OPACUS_CLASSES = BuildClasses(
     ghost=GradSampleModuleFastGradientClipping,
     manual=GradSampleModuleNoOp,
 )
+#: ``clipping="adaptive"``: the optimizer is an ``AdaClipDPOptimizer``, as Opacus's make_private returns.
+_OPACUS_ADACLIP_CLASSES = dataclasses.replace(_OPACUS_CLASSES, optimizer=AdaClipFromClipper)
 
 
 def _takes_opacus_settings(entry_point: str) -> Callable[[_Method], _Method]:
@@ -169,7 +172,9 @@ class PrivacyEngine(_PrivacyEngine):
         # The engine's build, of this namespace's classes (Opacus's methods and keys), which connects what it
         # builds itself: not a hand-built pair for opacus._binding to connect.
         with _binding.built_by_make_private():
-            return super()._build(dataclasses.replace(plan, classes=_OPACUS_CLASSES), budget)
+            flat_adaptive = plan.options.clipping == "adaptive"  # per-layer adaptive has no Opacus class
+            classes = _OPACUS_ADACLIP_CLASSES if flat_adaptive else _OPACUS_CLASSES
+            return super()._build(dataclasses.replace(plan, classes=classes), budget)
 
     @_takes_opacus_settings("make_private")
     def make_private(  # type: ignore[override]  # Opacus's signature: keywords only, four values in ghost mode
@@ -201,7 +206,8 @@ class PrivacyEngine(_PrivacyEngine):
         ==============================  ==========================================
         wrap_model=False                NotImplementedError (before anything changes)
         rand_on_empty=True              ValueError (before anything changes)
-        clipping="adaptive"             ValueError (not supported)
+        clipping="adaptive"             adaptive clipping (the engine's: its five options
+                                        as keywords, as Opacus's AdaClipDPOptimizer)
         any other argument              as the engine's ``make_private``
         ==============================  ==========================================
         """

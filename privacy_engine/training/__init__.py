@@ -6,7 +6,8 @@ Where things are:
 * ``optimizer.py``: ``DPOptimizer``: clip what is waiting, check the release, add noise, record, step.
   Its parts: ``optimizer_arguments.py`` (constructor checks), ``release_checks.py`` (what one step may
   release), ``parameter_sync.py`` (freezing/unfreezing), ``loss_scaling.py`` (fp16 GradScaler),
-  ``optimizer_state.py`` (state_dict / load_state_dict).
+  ``optimizer_state.py`` (state_dict / load_state_dict), ``canary_slot.py`` (the protocol of an audit's
+  canaries, the one component that adds to the clipped sums before the noise; implemented in ``auditing/``).
 * ``step_contract.py``: the loop contract (which batch each forward ran on, what a step releases); the
   ticket each drawn batch carries on its tensors is ``privacy_engine.batches.tickets``.
 * ``virtual_steps.py``: ``VirtualSteps``: one logical batch in micro-batches.

@@ -127,6 +127,7 @@ def plan_settings(plan: Any, *, accountant: Any, secure_mode: bool) -> dict[str,
         "noise_multiplier": noise_plan.noise_multiplier,
         "max_grad_norm": plan.max_grad_norm,
         "clipping": plan.clipping,
+        "adaptive_clipping": repr(getattr(plan, "adaptive_clipping", None)),  # options of a frozen dataclass
         "noise_mechanism": noise_plan.mechanism,
         "num_bands": noise_plan.num_bands,
         "bandmf_coefficients": noise_plan.coefficients,

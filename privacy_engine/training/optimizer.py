@@ -28,11 +28,13 @@ from torch.optim import Optimizer
 
 from privacy_engine.batches.tickets import BatchTicket
 from privacy_engine.capture.step_binding import wrapper_holding
-from privacy_engine.clipping import ClippingStats, MaxGradNorm, PerSampleGradientClipper
+from privacy_engine.clipping import AdaptiveClippingOptions, ClippingStats, MaxGradNorm, PerSampleGradientClipper
 from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
+from privacy_engine.training.canary_slot import CanarySlot, ClippedSumCanaries
 from privacy_engine.training.loss_scaling import LossScaling
 from privacy_engine.training.optimizer_arguments import (
+    build_adaptive_clipping,
     build_clipper,
     build_noise,
     check_accounting,
@@ -113,6 +115,14 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             engine passes ``lambda: loader.padding_mask``); ``None`` for no padding.
         budget: a ``privacy_engine.engine.budget.PrivacyBudget`` (needs an accountant): each release is
             checked against it first and refused with ``PrivacyBudgetExceeded``; ``None``: none.
+        adaptive_clipping: ``AdaptiveClippingOptions`` for adaptive clipping (``privacy_engine.clipping.adaptive``):
+            the clipper's bounds become clip norms that track a quantile of the per-example norms; each release
+            also releases the noised count of unclipped examples (noise drawn from a stream of ``noise_seed``,
+            or the OS in secure mode) and the sum is noised at ``gradient_noise_multiplier`` (sigma_delta), so
+            that the pair is recorded as one step at ``noise_multiplier``. Refused with BandMF noise.
+        canaries: an audit's canaries (``training.canary_slot.ClippedSumCanaries``, built by the engine
+            for ``make_private(audit=...)``): called once per release to add their contributions to the
+            clipped sums before the noise; counted in no accounting (they are not data). ``None``: none.
     """
 
     def __init__(
@@ -134,18 +144,33 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         source: str = "",
         per_user_clipping: bool = True,
         budget: Any | None = None,
+        adaptive_clipping: AdaptiveClippingOptions | None = None,
+        canaries: ClippedSumCanaries | None = None,
     ) -> None:
         check_wrapped_optimizer(optimizer)
+        if canaries is not None and not isinstance(canaries, ClippedSumCanaries):
+            raise TypeError(f"canaries must implement training.canary_slot.ClippedSumCanaries; got {canaries!r}")
         if isinstance(optimizer, DPOptimizer):
             raise TypeError("optimizer is already a DPOptimizer; wrap the original optimizer once")
         noise_multiplier = check_noise_multiplier(noise_multiplier)
         check_loss_reduction(loss_reduction, expected_batch_size)
         clipper = build_clipper(trainable_parameters(optimizer), clipper, max_grad_norm, clipping)
         noise = build_noise(noise, noise_seed, secure_mode)
-        check_sensitivity(noise_multiplier, clipper)
+        if adaptive_clipping is not None:
+            # After the noise (an unseeded count generator draws its seed from torch's global generator).
+            clipper = build_adaptive_clipping(clipper, adaptive_clipping, noise_seed=noise_seed, secure_mode=secure_mode)
+        check_sensitivity(noise_multiplier, clipper, expected_batch_size)
         # What the mechanism states each step is (a mechanism that states nothing is refused here, before
         # anything is released or counted); every release records exactly this.
         privacy_event = noise.privacy_event()
+        if clipper.adaptive is not None and privacy_event.num_bands > 1:
+            # BandMF's rows are combinations of earlier rows' noise at one scale (its analysis: one sensitivity
+            # for every step); a clip norm that moves each step would need each row at its own scale.
+            raise ValueError(
+                "adaptive clipping with BandMF noise: BandMF correlates each step's noise with earlier steps' at one "
+                "scale (sigma * max_grad_norm), which a clip norm that changes every step breaks. Use "
+                "noise_mechanism='gaussian' with adaptive clipping, or a fixed max_grad_norm with BandMF."
+            )
         check_accounting(
             accountant=accountant, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
             privacy_event=privacy_event,
@@ -179,6 +204,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.per_user_clipping = bool(per_user_clipping)
         #: A privacy budget consulted before every release (privacy_engine.engine.budget); None for none.
         self.budget: Any | None = budget
+        #: An audit's canaries (make_private(audit=...)): their only operation is to add their own contributions to
+        #: the clipped sums of each release, before the noise; their state is part of the DP state. None: no audit.
+        self.canaries: ClippedSumCanaries | None = canaries
         #: Set by the engine for ``poisson_sampling=False``: the loader's fixed-size batches, for accounting
         #: a release of several of them (``ShuffledBatches``); None: releases hold Poisson batches.
         self.shuffled_batches: ShuffledBatches | None = None
@@ -232,6 +260,14 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
     def params(self) -> list[nn.Parameter]:
         """The parameters that are clipped and noised."""
         return self.clipper.params
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier the clipped sum is noised at: ``noise_multiplier``, or with adaptive clipping
+        sigma_delta > sigma (``clipping.adaptive.gradient_noise_multiplier``), so that the sum and the count of
+        unclipped examples together cost one step at ``noise_multiplier``, the sigma the accountant records."""
+        adaptive = self.clipper.adaptive
+        return self.noise_multiplier if adaptive is None else adaptive.gradient_noise_multiplier(self.noise_multiplier)
 
     @property
     def max_grad_norm(self) -> MaxGradNorm:
@@ -355,9 +391,16 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         release = self.contract.close()
         rows, loader_step = self._check_release(release, params)
         self._in_logical_step = False
+        # Adaptive clipping: this step's count of unclipped examples, taken with the sums it goes with.
+        count = None if self.clipper.adaptive is None else self.clipper.adaptive.take_count(self.clipper.params[0].device)
         self.last_clipping_stats = self.clipper.pre_step()
         grads = self.clipper.released_sums  # float32 at least; half-precision .grad is cast after the noise
-        self._add_noise_and_record(grads, params, release, rows, loader_step, shuffled_batches=shuffled_batches)
+        if self.canaries is not None:
+            # Before the noise, as examples: the release is noised(clipped examples + included canaries). The
+            # contribution is data-independent and the noise too, so no neighbouring distribution changes.
+            self.canaries.add_to_clipped_sums(grads, self._canary_slot(release, loader_step, shuffled_batches))
+        self._add_noise_and_record(grads, params, release, rows, loader_step, shuffled_batches=shuffled_batches,
+                                   unclipped_count=count)  # fmt: skip
         for module in self.contract.modules:
             module.forget_forward_batch()  # a later backward must come from a new forward
         if self.loss_reduction == "mean":
@@ -375,6 +418,20 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self._run_step_hooks()
         return True
 
+    def _canary_slot(self, release: Release, loader_step: int | None, shuffled_batches: int) -> CanarySlot:
+        """This release as a canary taking part like an example sees it; ``RuntimeError`` where a canary could not
+        take part exactly as an example (fixed-size shuffled batches, no sample rate)."""
+        if shuffled_batches or self.shuffled_batches is not None or self.sample_rate is None:
+            raise RuntimeError("canaries are sampled at the Poisson sample rate: they need Poisson sampling")
+        # BandMF: the release takes the noise row of its loader step (the next row when no draw contributed), and
+        # row t belongs to cyclic group t mod b: the group whose members this release could hold.
+        row = self.noise.step if loader_step is None else loader_step
+        return CanarySlot(
+            sample_rate=self.sample_rate, num_draws=max(release.num_draws, 1), num_groups=self.num_bands,
+            group=int(row) % self.num_bands,
+            sensitivity=float(self.clipper.sensitivity),
+        )  # fmt: skip
+
     def _shuffled_batches_in_release(self) -> int:
         """Loader batches in the open step without Poisson sampling (``shuffled_batches``): from the rows
         of the distinct batches its passes ran on (no Poisson loader is attached then: every batch is the
@@ -386,11 +443,15 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
     def _add_noise_and_record(
         self, grads: list[torch.Tensor], params: list[nn.Parameter], release: Release, rows: int,
-        loader_step: int | None, *, shuffled_batches: int = 0,
+        loader_step: int | None, *, shuffled_batches: int = 0, unclipped_count: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Noise the clipped sums ``grads`` in place and record the step, in one commit of the noise
         state (after the discarded BandMF rows of the loader steps not released, see ``_noise_rows``).
-        On any error the clipped sums are removed from ``.grad`` before it propagates."""
+        On any error the clipped sums are removed from ``.grad`` before it propagates. Adaptive clipping: the
+        count (``unclipped_count``) is noised and the next clip norms set inside the same commit; on an error
+        the count's generator is rolled back and the clip norms stay."""
+        adaptive = self.clipper.adaptive
+        count_generator_state = None if adaptive is None else adaptive.generator.get_state()
         try:
             step_kwargs = self._accounting_kwargs(release, rows)
             if shuffled_batches > 1:  # k disjoint batches of one epoch: each example at most once (ShuffledBatches)
@@ -403,7 +464,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
                 # BandMF rows of batches the loop drew and never released: drawn and discarded, so each
                 # released batch gets the noise row of its own step (and its group's min-separation). Each
                 # such row is counted (in its own commit): participations never exceed ceil(rows / b).
-                self.noise.add_noise_([torch.zeros_like(g) for g in grads], self.noise_multiplier,
+                self.noise.add_noise_([torch.zeros_like(g) for g in grads], self.gradient_noise_multiplier,
                                       self.clipper.sensitivity,
                                       on_commit=lambda: self.accountant is None or self.accountant.step(**step_kwargs))  # fmt: skip
 
@@ -413,18 +474,38 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
                 # drawn for a batch that could have held any example. All or nothing: what can raise is built
                 # first, the accountant's record (itself all or nothing) is the first write, plain assignments follow.
                 released_draws = self.contract.released_draws_after(release)
+                divisor = (self.expected_batch_size or 0.0) * max(release.num_draws, shuffled_batches, 1)
+                clip_norms = None if adaptive is None else self._next_clip_norms(unclipped_count, divisor)
                 if self.accountant is not None:
                     self.accountant.step(**step_kwargs)
                 self.steps_taken += 1
                 self.contract.released(release, loader_step, released_draws)
+                if clip_norms is not None:
+                    adaptive.set_clip_norms(clip_norms)  # in force from the next step's clipping on
 
-            self.noise.add_noise_(grads, self.noise_multiplier, self.clipper.sensitivity, on_commit=record)
+            self.noise.add_noise_(grads, self.gradient_noise_multiplier, self.clipper.sensitivity, on_commit=record)
         except BaseException:
+            if count_generator_state is not None:
+                adaptive.generator.set_state(count_generator_state)
             # The .grad tensors hold the un-noised clipped sum: never leave it where a later
             # optimizer step could use it.
             for param in params:
                 param.grad = None
             raise
+
+    def _next_clip_norms(self, unclipped_count: torch.Tensor, divisor: float) -> tuple[float, ...]:
+        """Adaptive clipping: release this step's centred count of unclipped examples with its noise, drawn
+        once (distributed: on rank 0, then summed over the ranks like the clipped sums, so the job releases
+        one noised global count), and return the clip norms it leads to (``AdaptiveClipping.next_clip_norms``,
+        divided by the same expected batch size as the sum). Sets nothing."""
+        adaptive = self.clipper.adaptive
+        job = getattr(self, "distributed_job", None)  # set by training.distributed.configure
+        count = unclipped_count
+        if job is None or job.rank == 0:
+            count = adaptive.noised_count(count)
+        if job is not None:
+            job.all_reduce_sum_([count], "the all-reduce of the count of unclipped examples")
+        return adaptive.next_clip_norms(count, divisor)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -10,25 +10,30 @@ one ``make_private``'s options call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from accountants.events import EventSpec
-from privacy_engine.clipping import MaxGradNorm, PerSampleGradientClipper
+from privacy_engine.clipping import AdaptiveClipping, AdaptiveClippingOptions, MaxGradNorm, PerSampleGradientClipper
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
+from privacy_engine.noise.secure_random import full_entropy_generator
 from privacy_engine.settings_checks import (
     check_expected_batch_size,
     check_no_seed_for_given_noise,
     check_noise_multiplier,
     check_noise_std,
+    check_unseeded_in_secure_mode,
 )
 from privacy_engine.settings_checks import check_loss_reduction as check_loss_reduction_setting
 
 __all__ = [
+    "build_adaptive_clipping",
     "build_clipper",
     "build_noise",
     "check_accounting",
@@ -92,10 +97,65 @@ def build_noise(noise: NoiseMechanism | None, noise_seed: int | None, secure_mod
     return noise
 
 
-def check_sensitivity(noise_multiplier: float, clipper: PerSampleGradientClipper) -> None:
+def check_sensitivity(
+    noise_multiplier: float, clipper: PerSampleGradientClipper, expected_batch_size: float | None = None
+) -> None:
     """``ValueError`` for noise on unclipped gradients (infinite sensitivity: no finite noise makes
-    them private) or a noise std that overflows; ``check_noise_std``, as the noise mechanism applies it."""
-    check_noise_std(noise_multiplier, clipper.sensitivity)
+    them private) or a noise std that overflows; ``check_noise_std``, as the noise mechanism applies it.
+    Adaptive clipping: the count's noise must leave room for the gradient's (``unclipped_num_std``, see
+    ``check_unclipped_num_std_for``), the largest clip norm's noise std must not overflow, and the
+    fraction of unclipped examples needs ``expected_batch_size``."""
+    adaptive = clipper.adaptive
+    if adaptive is None:
+        check_noise_std(noise_multiplier, clipper.sensitivity)
+        return
+    sigma_delta = adaptive.gradient_noise_multiplier(noise_multiplier)  # raises naming unclipped_num_std
+    check_noise_std(sigma_delta, adaptive.options.max_clipbound * math.sqrt(adaptive.num_groups))
+    if expected_batch_size is None:
+        raise ValueError("adaptive clipping needs expected_batch_size (the count of unclipped examples is divided by it)")
+
+
+def count_noise_generator(noise_seed: int | None, *, secure_mode: bool) -> torch.Generator:
+    """The CPU generator of adaptive clipping's count noise: in secure mode its whole state from the OS
+    (``full_entropy_generator``, as the gradient noise's); with ``noise_seed``, a stream derived from it that
+    no gradient-noise stream shares (``SeedSequence`` spawn key ``_COUNT_STREAM``; the noise mechanism's keys
+    are small (device, generator) pairs); without, one draw from torch's global generator (so
+    ``torch.manual_seed`` makes a run reproducible)."""
+    check_unseeded_in_secure_mode("noise_seed", noise_seed, secure_mode=secure_mode)
+    if secure_mode:
+        return full_entropy_generator("cpu")
+    if noise_seed is None:
+        noise_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    sequence = np.random.SeedSequence(entropy=int(noise_seed), spawn_key=_COUNT_STREAM)
+    generator = torch.Generator()
+    generator.manual_seed(int(sequence.generate_state(1, dtype=np.uint64)[0]))
+    return generator
+
+
+#: The SeedSequence spawn key of the count's noise stream (no gradient-noise stream uses it).
+_COUNT_STREAM = (0x41444150, 0x434C4950)
+
+
+def build_adaptive_clipping(
+    clipper: PerSampleGradientClipper, options: AdaptiveClippingOptions, *, noise_seed: int | None, secure_mode: bool
+) -> PerSampleGradientClipper:
+    """A clipper over ``clipper``'s parameters and groups whose bounds are adaptive clipping's, starting from
+    ``clipper``'s bounds; ``clipper`` itself if it already has an ``AdaptiveClipping`` with these options."""
+    if not isinstance(options, AdaptiveClippingOptions):
+        raise TypeError(f"adaptive_clipping must be an AdaptiveClippingOptions; got {type(options).__name__}")
+    if clipper.adaptive is not None:
+        if clipper.adaptive.options != options:
+            raise ValueError("clipper already has adaptive clipping with other options than adaptive_clipping")
+        return clipper
+    if clipper.has_accumulated:
+        raise ValueError("clipper already holds clipped sums; give adaptive clipping to a fresh clipper")
+    adaptive = AdaptiveClipping(options, initial_clip_norms=clipper.bounds,
+                                generator=count_noise_generator(noise_seed, secure_mode=secure_mode),
+                                secure_mode=secure_mode)  # fmt: skip
+    config = clipper.config
+    return PerSampleGradientClipper(clipper.params, config.max_grad_norm, clipping=config.clipping, groups=clipper.groups,
+                                    nan_safe=config.nan_safe, rescale_to_unit_norm=config.rescale_to_unit_norm,
+                                    adaptive=adaptive)  # fmt: skip
 
 
 def check_accounting(

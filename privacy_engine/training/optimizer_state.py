@@ -37,6 +37,7 @@ class OptimizerState:
     steps_taken: int
     _skip_next_step: bool
     _in_logical_step: bool
+    canaries: Any
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus the DP state under ``"privacy_engine.dp_state"``:
@@ -52,6 +53,8 @@ class OptimizerState:
             "skip_next_step": self._skip_next_step,
             "in_logical_step": self._in_logical_step,
         }
+        if self.canaries is not None:  # only with an audit: without one the state is exactly as before
+            state[STATE_DICT_KEY]["canaries"] = self.canaries.state_dict()
         return state
 
     def check_state_dict(self, state_dict: Any) -> None:
@@ -140,6 +143,14 @@ class OptimizerState:
                 raise ValueError(f"the optimizer's DP state has {flag}={dp_state[flag]!r}; expected a bool")
         self.noise.check_state_dict(dp_state["noise"], tensors=self.clipper.params)
         self._check_clipper_state(dp_state["clipper"])
+        if (self.canaries is None) != ("canaries" not in dp_state):
+            saved, here = ("with", "without") if self.canaries is None else ("without", "with")
+            raise ValueError(
+                f"the optimizer's DP state was saved {saved} an audit's canaries and this optimizer is {here}: "
+                f"make_private with the audit= of the saved run"
+            )
+        if self.canaries is not None:
+            self.canaries.check_state_dict(dp_state["canaries"])
 
     def _check_clipper_state(self, saved: Any) -> None:
         current = self.clipper.state_dict()
@@ -191,6 +202,8 @@ class OptimizerState:
             self.clipper.load_state_dict(clipper_backup)
             self.noise.load_state_dict(noise_backup)
             raise
+        if self.canaries is not None:  # checked above: loading cannot fail
+            self.canaries.load_state_dict(dp_state["canaries"])
         self.noise_multiplier = float(dp_state["noise_multiplier"])
         self.steps_taken = int(dp_state["steps_taken"])
         self._skip_next_step = bool(dp_state["skip_next_step"])

@@ -88,6 +88,11 @@ rows != the forward's examples              one row per drawn example of the las
 training forward, no backward since the     whose batch is empty and skipped by the loop (no forward)
 last step)                                  releases noise alone and is counted
 a batch released after a later one          ``RuntimeError`` (BandMF rows must increase)
+activation checkpointing                    the recomputation in backward is recognised by torch's own
+(``torch.utils.checkpoint``, reentrant or   markers and belongs to the forward it recomputes: the same
+not; HF ``gradient_checkpointing_enable``)  release as without checkpointing (``capture.recompute``); a
+                                            forward during backward that is not a recomputation:
+                                            ``RuntimeError``
 ==========================================  ==========================================================
 """
 

@@ -9,7 +9,9 @@ clipper's accumulator.
 reads ``_clipping`` (``uses.ClipperLink``), ``per_sample_memory_ratio``, ``loss_reduction``, ``_module``
 and the step binding (``_consumer``, ``_forward_ticket``, ``_check_live``); it tells the
 binding that the forward's backward has run (``_backward_finished_by_clipping``), writes ``last_per_sample_norms``
-and hands the sums to the clipper.
+and hands the sums to the clipper. A reentrant checkpoint's recomputation (``capture.recompute``) starts the
+pass from the outer backward (``_prepare_recompute_pass``) and adds the recomputed calls' shared parameters
+when the nested backward reaches them (``_pass_for_backward``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,35 @@ class BackwardPasses:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         return passes.current
 
+    def _prepare_recompute_pass(self) -> None:
+        """A reentrant checkpoint is recomputing a forward (``capture.recompute``): its gated calls' output
+        gradients arrive in a nested backward, whose queued callbacks would run at the nested backward's end.
+        Start the pass now, in the outer backward (its end-of-pass callback is queued there), and have the
+        recomputed calls' shared parameters added before the nested backward reaches them."""
+        self._current_pass()
+        self._passes.recomputed = True
+
+    def _pass_for_backward(self) -> BackwardPass:
+        """The pass in progress, with the parameters shared by calls a reentrant checkpoint recomputed since
+        the last call added to its ``shared`` set (they were not pending when the pass started)."""
+        state = self._current_pass()
+        if self._passes.recomputed:
+            self._passes.recomputed = False
+            live = [use for use in list(self._passes.pending) if not use.consumed]
+            newly_shared = shared_parameters([*state.reached, *live]) - state.shared
+            reduced = [param for param in newly_shared if param in state.squared_norms]
+            if reduced:
+                names = {p: n for n, p in self._module.named_parameters()}
+                raise RuntimeError(
+                    f"ghost clipping with reentrant activation checkpointing: parameter(s) "
+                    f"{sorted(names.get(p, '?') for p in reduced)} are used by a recomputed checkpoint region and by "
+                    f"another use whose backward already ran as unshared (their per-example norms need the cross "
+                    f"terms between the uses). Use checkpoint(..., use_reentrant=False) (Hugging Face's default), "
+                    f"or grad_sample_mode='hooks'."
+                )
+            state.shared |= newly_shared
+        return state
+
     def _on_output_grad(self, use: Use, grads: torch.Tensor) -> None:
         self._check_live(use.generation)
         activations = use.activations
@@ -56,8 +87,9 @@ class BackwardPasses:
                 f"{module_label(use.path, use.layer)}: a second backward pass ran through the same forward "
                 f"(retain_graph=True). Its inputs were freed after the first; run a new forward for each backward."
             )
-        state = self._current_pass()
+        state = self._pass_for_backward()
         use.activations, use.consumed = None, True
+        state.reached.append(use)
         if use.grad_shape is not None:
             grads = grads.reshape(use.grad_shape)
         grads, activations = self._batch_first(grads, activations)
@@ -97,7 +129,9 @@ class BackwardPasses:
 
     def _on_fallback_grad(self, use: Use, param: nn.Parameter, grads: torch.Tensor) -> None:
         self._check_live(use.generation)
-        state = self._current_pass()
+        state = self._pass_for_backward()
+        if not use.consumed:
+            state.reached.append(use)
         use.consumed = True
         state.note_batch(use, grads.shape[0])
         state.add_materialised(param, None, grads)

@@ -6,7 +6,8 @@ reaches earlier layers through the input, but the ordinary weight-gradient produ
 
 ``GatedLayers`` is a mixin of ``GhostClippingModule``. Its forwards read ``_flags.inside_fallback``,
 ``_batch_dim`` and ``_generation``, feed the batch-size bookkeeping, and add each gated call to
-``_passes.pending``; it keeps no state of its own.
+``_passes.pending`` (not a non-reentrant checkpoint's recomputed call: backward runs through the first
+forward's gate, ``capture.recompute``); it keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from grad_samplers import norm_sampler_for, weighted_sum_sampler_for
 from grad_samplers.registry import GradSampler
 from privacy_engine.capture.batch_size import expand_batch
 from privacy_engine.capture.patched_forward import PatchedForward
+from privacy_engine.capture.recompute import NON_REENTRANT, REENTRANT
 from privacy_engine.clipping.ghost.uses import Use, in_float32
 from privacy_engine.models.validation import module_label
 
@@ -79,7 +81,16 @@ class GatedLayers:
 
     def _gate(self, use: Use, output: torch.Tensor, in_place: bool) -> torch.Tensor:
         use.generation = self._generation
-        self._passes.pending.add(use)
+        recompute = self._recompute_kind()
+        if recompute == NON_REENTRANT:
+            # A non-reentrant checkpoint's recomputation: the same gated output as the first forward (the
+            # checkpoint checks what it saves), but backward runs through the first forward's gate, whose
+            # call is the pending one (capture.recompute). Nothing of this call is kept.
+            use.activations = None
+        else:
+            if recompute == REENTRANT:
+                self._prepare_recompute_pass()
+            self._passes.pending.add(use)
         params = tuple(param for param, _ in use.parts)
         return _OutputGate.apply(partial(self._on_output_grad, use), in_place, output, *params)
 
@@ -121,7 +132,10 @@ class GatedLayers:
         """The forward of a sampled layer (``patched.module``): its output through the gate."""
         path, layer, original = patched.path, patched.module, patched.original
         if self._flags.inside_fallback or not (layer.training and torch.is_grad_enabled()):
-            return original(*args, **kwargs)
+            output = original(*args, **kwargs)
+            if layer.training and not self._flags.inside_fallback:
+                self._note_batch_without_grad(output)  # a reentrant checkpoint's first forward
+            return output
         own = layer._parameters
         trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
         if not trainable:

@@ -40,7 +40,9 @@ Memory: the inputs and output gradients of the layers that keep them are held un
 backward pass instead of being freed layer by layer; each is freed as soon as its layer's sum is formed.
 
 Not supported: per-user clipping (``group_ids``: an example group's norm would need cross terms between
-its examples), activation checkpointing or any forward that runs during a backward pass.
+its examples), a forward during a backward pass other than activation checkpointing's recomputation
+(``capture.recompute``; with ``use_reentrant=True`` a parameter used both inside a recomputed region and
+elsewhere, found only as the nested backward reaches it, raises: use ``use_reentrant=False``).
 
 The one difference from the materialised path: with ``nan_safe=True`` the materialised path zeroes only
 the non-finite *entries* of a per-example gradient and clips the rest; here the entries are never formed,
@@ -50,6 +52,7 @@ the weighted sums, since ``0 * NaN`` is NaN). The bound holds either way.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import weakref
@@ -92,6 +95,9 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     layer without norm sampler        its per-example gradients materialised, reduced (kept or
                                       freed by ``per_sample_memory_ratio``)
     module without any sampler        ``torch.func`` fallback, materialised
+    parameter owned by the root       forward-mode tangents (``capture.root_parameters``),
+                                      materialised
+    activation checkpointing          same norms and sums as without it (``capture.recompute``)
     norm NaN/Inf                      factor 0: the example contributes exactly zero (whole;
                                       the materialised path with nan_safe keeps finite entries)
     ``set_padding_mask(mask)``        masked examples contribute zero (next backward only)
@@ -276,6 +282,25 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
             self._on_fallback_grad(use, real_of[id(stand_in)], grads)
 
         return self._run_fallback(path, module, original, args, kwargs, stand_ins, on_per_sample_grad)
+
+    @contextlib.contextmanager
+    def _root_parameters_in_forward(self, trainable: list[tuple[str, nn.Parameter]]):
+        # Detached for the real forward, as a gated layer's: no gradient reaches them (``.grad`` would get the
+        # unclipped sum); their per-sample gradients come from the tangents (capture.root_parameters).
+        own = self._module._parameters
+        try:
+            for name, param in trainable:
+                own[name] = param.detach()
+            yield
+        finally:
+            for name, param in trainable:
+                own[name] = param
+
+    def _root_parameter_sink(self, params: list[nn.Parameter]):
+        # One materialised use of this forward, like a fallback call's.
+        use = Use(path="", layer=self._module, parts=tuple((p, None) for p in params), generation=self._generation)
+        self._passes.pending.add(use)
+        return partial(self._on_fallback_grad, use)
 
     def _reject_gradient(self, name: str, grad: torch.Tensor | None) -> None:
         if grad is None or not self.training:

@@ -99,6 +99,7 @@ class BackwardPass:
         self.squared_norms: dict[nn.Parameter, torch.Tensor] = {}  # unscaled, summed over disjoint rows
         self.deferred: list[tuple[Use, Callable, tuple, torch.Tensor]] = []  # (use, sums, activations, G)
         self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
+        self.reached: list[Use] = []  # the calls whose backward ran in this pass (sharing with recomputed calls)
 
     def note_batch(self, use: Use, batch_size: int) -> None:
         """Record the batch size of a layer the pass reached; ``ValueError`` if it differs from the first
@@ -142,12 +143,14 @@ class GhostPasses:
     ``pending``: the calls (``Use``) of live forwards whose backward has not reached them (weak: a forward
     whose graph is dropped drops them). ``current``: the pass in progress, from its first output gradient to
     its end-of-backward callback (None between passes; cleared by a forward after a pass that raised).
-    ``padding_mask``: set by ``set_padding_mask`` for the next pass only.
+    ``padding_mask``: set by ``set_padding_mask`` for the next pass only. ``recomputed``: a reentrant
+    checkpoint recomputed gated calls since the pass last looked for shared parameters (``_pass_for_backward``).
     """
 
     pending: weakref.WeakSet[Use] = field(default_factory=weakref.WeakSet)
     current: BackwardPass | None = None
     padding_mask: torch.Tensor | None = None
+    recomputed: bool = False
 
 
 @dataclass(frozen=True, eq=False)

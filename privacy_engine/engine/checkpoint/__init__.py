@@ -32,7 +32,8 @@ least as many steps for the saved optimizer as its noise step counter, which is 
 steps (a ledger rewritten to fewer steps would restore a smaller epsilon on top of later state).
 
 What a checkpoint holds (``build_checkpoint``): the model's state dict; the optimizer's, with its
-DP state (noise mechanism, clipper accumulator, counters); the engine's (accountant history,
+DP state (noise mechanism, clipper accumulator, counters; with ``make_private(audit=...)`` the canaries:
+their inclusion, groups, directions' seed, scores and releases scored); the engine's (accountant history,
 secure mode, ``noise_plan``); the private loader's sampling state (generator state, position,
 cyclic groups); optional scheduler states; and the caller's ``checkpoint_dict`` entries.
 
@@ -42,7 +43,8 @@ reveals past clipped gradients; the cyclic group assignment says which examples 
 clipper accumulator saved between micro-batches is an un-noised gradient sum. In secure mode no
 seed or generator state is written (secure sampling draws from the OS and has no state; a resumed
 run reseeds its noise generators from the OS), so a secure checkpoint cannot reproduce future noise
-or batches; it still holds the history, groups and accumulator above.
+or batches; it still holds the history, groups and accumulator above, and an audit's canary state (which
+canaries were included, and the seed of their public directions: the canaries' draws come from the OS).
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 Opacus has one optimizer class per clipping mode and setting; here one ``DPOptimizer`` covers them
 (``clipping="flat"`` or ``"per_layer"``; ghost mode and distributed training use it too), so the
-other names map onto it. Adaptive clipping (``AdaClipDPOptimizer``) is not provided.
+other names map onto it. Adaptive clipping: ``AdaClipDPOptimizer`` (``adaclipoptimizer.py``), on the
+engine's ``privacy_engine.clipping.adaptive``.
 """
 
 from __future__ import annotations
 
-from privacy_engine.opacus._lazy import unavailable
+from privacy_engine.opacus.optimizers.adaclipoptimizer import AdaClipDPOptimizer
 from privacy_engine.opacus.optimizers.ddpoptimizer import DistributedDPOptimizer
 from privacy_engine.opacus.optimizers.optimizer import DPOptimizer, DPPerLayerOptimizer
 from privacy_engine.settings_checks import check_clipping
@@ -24,15 +25,9 @@ __all__ = [
 #: Fast clipping uses the same optimizer (the clipping happens in the backward pass).
 DPOptimizerFastGradientClipping = DPOptimizer
 
-AdaClipDPOptimizer = unavailable(
-    "AdaClipDPOptimizer",
-    "adaptive clipping (Opacus's AdaClipDPOptimizer, clipping='adaptive') is not supported by privacy_engine: "
-    "use clipping='flat' or 'per_layer' with a fixed max_grad_norm",
-)
-
-
 def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str | None = None) -> type:
-    """Opacus's lookup of the optimizer class; here ``DPOptimizer`` (or ``DPPerLayerOptimizer``)."""
+    """Opacus's lookup of the optimizer class; here ``DPOptimizer`` (or ``DPPerLayerOptimizer``,
+    ``AdaClipDPOptimizer`` for ``clipping="adaptive"``)."""
     if clipping == "adaptive":
         return AdaClipDPOptimizer
     if distributed:

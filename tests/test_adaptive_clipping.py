@@ -1,0 +1,394 @@
+"""Adaptive clipping (Andrew et al. 2021): the clip norm tracks a quantile, the pair (gradient, count) is
+accounted as one DP-SGD step at sigma, and it works with both clipping paths, micro-batches and checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from privacy_engine import PrivacyEngine
+from privacy_engine.clipping import AdaptiveClippingOptions, gradient_noise_multiplier
+from privacy_engine.training.optimizer import DPOptimizer
+
+
+def _options(**overrides: float) -> AdaptiveClippingOptions:
+    settings = {
+        "target_unclipped_quantile": 0.5,
+        "clipbound_learning_rate": 0.2,
+        "max_clipbound": 100.0,
+        "min_clipbound": 1e-3,
+        "unclipped_num_std": 0.0,
+    }
+    settings.update(overrides)
+    return AdaptiveClippingOptions(**settings)
+
+
+def _bare_optimizer(dim: int = 4, *, batch: int = 100, sigma: float = 0.0, seed: int = 0, **overrides: float):
+    """A DPOptimizer over one parameter whose per-sample gradients the test sets by hand (lr 0: the parameter
+    keeps still, so every step's gradients are the test's)."""
+    param = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+    optimizer = DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=sigma, max_grad_norm=1.0,
+                            expected_batch_size=batch, adaptive_clipping=_options(**overrides), noise_seed=seed)  # fmt: skip
+    return param, optimizer
+
+
+def _gradients_with_norms(norms: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
+    directions = torch.randn(len(norms), dim, dtype=torch.float64, generator=generator)
+    return directions / directions.norm(dim=1, keepdim=True) * norms[:, None]
+
+
+def _release(param: nn.Parameter, optimizer: DPOptimizer, grad_sample: torch.Tensor) -> torch.Tensor:
+    """One released step on ``grad_sample``; the released sum (the .grad times the divisor)."""
+    param.grad_sample = grad_sample.clone()
+    optimizer.step()
+    released = param.grad.detach().clone() * optimizer.expected_batch_size
+    optimizer.zero_grad()
+    return released
+
+
+# ---------------------------------------------------------------------------------------------- the update
+@pytest.mark.parametrize("quantile", [0.3, 0.5, 0.8])
+def test_clip_norm_converges_to_the_target_quantile(quantile):
+    generator = torch.Generator().manual_seed(1)
+    distribution = torch.distributions.LogNormal(0.0, 0.75)
+    reference = float(np.quantile(distribution.sample((200_000,)).numpy(), quantile))
+    param, optimizer = _bare_optimizer(target_unclipped_quantile=quantile, clipbound_learning_rate=0.2)
+    trajectory = []
+    torch.manual_seed(2)
+    for _ in range(400):
+        norms = distribution.sample((100,)).to(torch.float64)
+        _release(param, optimizer, _gradients_with_norms(norms, 4, generator))
+        trajectory.append(optimizer.clipper.bounds[0])
+    settled = float(np.mean(trajectory[-150:]))
+    assert settled == pytest.approx(reference, rel=0.05), (settled, reference)
+
+
+def test_sigma_delta_makes_the_pair_one_gaussian_step_at_sigma():
+    for sigma, sigma_b, groups in [(1.0, 2.0, 1), (0.7, 5.0, 1), (1.3, 10.0, 4)]:
+        sigma_delta = gradient_noise_multiplier(sigma, sigma_b, num_groups=groups)
+        assert sigma_delta > sigma
+        assert sigma_delta**-2 + groups * (2 * sigma_b) ** -2 == pytest.approx(sigma**-2, rel=1e-12)
+    assert gradient_noise_multiplier(1.0, 2.0) == pytest.approx((1 - 1 / 16) ** -0.5, rel=1e-15)
+    assert gradient_noise_multiplier(0.0, 0.0) == 0.0  # no noise anywhere
+
+
+@pytest.mark.parametrize("sigma, sigma_b, groups", [(1.0, 0.5, 1), (1.0, 0.4, 1), (1.0, 0.0, 1), (1.0, 1.0, 4)])
+def test_a_count_noise_too_small_for_sigma_is_refused(sigma, sigma_b, groups):
+    with pytest.raises(ValueError, match="unclipped_num_std"):
+        gradient_noise_multiplier(sigma, sigma_b, num_groups=groups)
+
+
+def test_the_optimizer_refuses_a_count_noise_too_small_for_sigma():
+    with pytest.raises(ValueError, match="unclipped_num_std"):
+        _bare_optimizer(sigma=1.0, unclipped_num_std=0.5)
+
+
+def test_the_gradient_is_noised_at_sigma_delta_times_the_clip_norm_in_force():
+    dim, batch = 20_000, 10
+    param, optimizer = _bare_optimizer(dim, batch=batch, sigma=1.0, unclipped_num_std=2.0, seed=3)
+    clip_norm = optimizer.clipper.bounds[0]
+    released = _release(param, optimizer, torch.zeros(batch, dim, dtype=torch.float64))
+    expected = gradient_noise_multiplier(1.0, 2.0) * clip_norm
+    assert float(released.std()) == pytest.approx(expected, rel=0.03)
+    assert optimizer.noise_multiplier == 1.0  # what the accountant records
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+def test_epsilon_equals_dp_accountings_dpsgd_at_sigma():
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 6), torch.randint(0, 2, (256,)))
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+    engine = PrivacyEngine(accountant="rdp")
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=32),
+        noise_multiplier=1.1, max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
+        clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=1.6, noise_seed=0,
+    )  # fmt: skip
+    steps = 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        steps += 1
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(32 / 256, dp_accounting.GaussianDpEvent(1.1)), steps)
+    assert engine.get_epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_removing_one_example_moves_the_sum_by_at_most_c_and_the_count_by_one_half():
+    generator = torch.Generator().manual_seed(4)
+    norms = torch.tensor([0.2, 0.7, 1.0, 1.5, 3.0, 40.0, 0.0, 0.99], dtype=torch.float64)
+    grads = _gradients_with_norms(norms, 5, generator)
+    grads[6] = 0.0
+    eta, gamma, batch = 0.2, 0.5, 8
+
+    def release(rows):
+        param, optimizer = _bare_optimizer(5, batch=batch, max_clipbound=1000.0, min_clipbound=1e-6)
+        clip_norm = optimizer.clipper.bounds[0]
+        released = _release(param, optimizer, grads[rows])
+        after = optimizer.clipper.bounds[0]
+        # The released count, from the update C' = C exp(-eta (count / m + 1/2 - gamma)) (noise off).
+        count = (-math.log(after / clip_norm) / eta - 0.5 + gamma) * batch
+        return released, count, clip_norm
+
+    released, count, clip_norm = release(list(range(len(norms))))
+    for removed in range(len(norms)):
+        kept = [i for i in range(len(norms)) if i != removed]
+        neighbour, neighbour_count, _ = release(kept)
+        assert float((released - neighbour).norm()) <= clip_norm * (1 + 1e-12)
+        assert abs(count - neighbour_count) == pytest.approx(0.5, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def _train(grad_sample_mode: str, clipping: str = "adaptive", steps: int = 6):
+    torch.manual_seed(5)
+    data = TensorDataset(torch.randn(128, 6, dtype=torch.float64), torch.randint(0, 3, (128,)))
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    engine = PrivacyEngine()
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=DataLoader(data, batch_size=16),
+        noise_multiplier=1.0, max_grad_norm=0.05 if clipping == "adaptive" else [0.03, 0.04], clipping=clipping,
+        target_unclipped_quantile=0.6, clipbound_learning_rate=0.5, max_clipbound=10.0, min_clipbound=0.001,
+        unclipped_num_std=4.0, noise_seed=7, grad_sample_mode=grad_sample_mode,
+    )  # fmt: skip
+    trajectory = []
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        trajectory.append(optimizer.clipper.bounds)
+    return trajectory, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clipping", ["adaptive", "per_layer_adaptive"])
+def test_hooks_and_ghost_follow_the_same_clip_norms_and_updates(clipping):
+    hooks_norms, hooks_params = _train("hooks", clipping)
+    ghost_norms, ghost_params = _train("ghost", clipping)
+    assert len(hooks_norms) == 6 and len(set(hooks_norms)) > 1  # the clip norm moved
+    np.testing.assert_allclose(np.array(hooks_norms), np.array(ghost_norms), rtol=1e-12)
+    for a, b in zip(hooks_params, ghost_params):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_of_one_logical_batch_equal_the_whole_batch():
+    generator = torch.Generator().manual_seed(8)
+    norms = torch.distributions.LogNormal(0.0, 1.0).sample((12,)).to(torch.float64)
+    grads = _gradients_with_norms(norms, 3, generator)
+    whole_param, whole = _bare_optimizer(3, batch=12, sigma=1.0, unclipped_num_std=3.0, seed=9)
+    released_whole = _release(whole_param, whole, grads)
+    split_param, split = _bare_optimizer(3, batch=12, sigma=1.0, unclipped_num_std=3.0, seed=9)
+    for part, last in ((grads[:5], False), (grads[5:], True)):
+        split_param.grad_sample = part.clone()
+        split.signal_skip_step(do_skip=not last)
+        split.step()
+    released_split = split_param.grad.detach().clone() * 12
+    assert split.clipper.bounds == whole.clipper.bounds
+    torch.testing.assert_close(released_split, released_whole, rtol=1e-14, atol=1e-14)
+
+
+def test_a_checkpoint_resumes_bit_identically_even_between_micro_batches():
+    generator = torch.Generator().manual_seed(10)
+    batches = [_gradients_with_norms(torch.rand(8, dtype=torch.float64) * 3, 3, generator) for _ in range(6)]
+
+    def run(param, optimizer, indices, save_at=None):
+        out = []
+        for index in indices:
+            param.grad_sample = batches[index][:4].clone()
+            optimizer.signal_skip_step(do_skip=True)
+            optimizer.step()
+            if index == save_at:
+                return out, copy.deepcopy(optimizer.state_dict())  # saved between micro-batches
+            param.grad_sample = batches[index][4:].clone()
+            optimizer.step()
+            out.append((optimizer.clipper.bounds, param.grad.detach().clone()))
+        return out, None
+
+    param, optimizer = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=11)
+    straight, _ = run(param, optimizer, range(6))
+    param, optimizer = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=11)
+    first, saved = run(param, optimizer, range(6), save_at=3)
+    resumed_param, resumed = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=99)
+    resumed.load_state_dict(saved)
+    resumed_param.grad_sample = batches[3][4:].clone()
+    resumed.step()
+    rest = [(resumed.clipper.bounds, resumed_param.grad.detach().clone())]
+    more, _ = run(resumed_param, resumed, [4, 5])
+    for (norms_a, grad_a), (norms_b, grad_b) in zip(straight, first + rest + more, strict=True):
+        assert norms_a == norms_b
+        assert torch.equal(grad_a, grad_b)
+
+
+def test_a_checkpoint_with_other_adaptive_options_is_refused():
+    _, optimizer = _bare_optimizer(3, sigma=1.0, unclipped_num_std=2.0)
+    _, other = _bare_optimizer(3, sigma=1.0, unclipped_num_std=3.0)
+    with pytest.raises(ValueError, match="adaptive clipping"):
+        other.load_state_dict(optimizer.state_dict())
+
+
+def test_bandmf_with_adaptive_clipping_is_refused():
+    data = TensorDataset(torch.randn(240, 5), torch.randint(0, 2, (240,)))
+    model = nn.Linear(5, 2)
+    with pytest.raises(ValueError, match="adaptive clipping with BandMF"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=20),
+            noise_multiplier=1.0, max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
+            clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=2.0,
+            noise_mechanism="bandmf", num_bands=3, total_steps=12,
+        )  # fmt: skip
+    assert not hasattr(model, "_forward_hooks") or not model._forward_hooks  # nothing was hooked
+
+
+# ---------------------------------------------------------------------------------------------- options
+_VALID = {
+    "target_unclipped_quantile": 0.5,
+    "clipbound_learning_rate": 0.2,
+    "max_clipbound": 10.0,
+    "min_clipbound": 0.01,
+    "unclipped_num_std": 2.0,
+}
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("target_unclipped_quantile", 1.5), ("target_unclipped_quantile", -0.1), ("clipbound_learning_rate", -1.0),
+     ("clipbound_learning_rate", math.inf), ("max_clipbound", math.inf), ("min_clipbound", -1.0),
+     ("max_clipbound", 0.005), ("unclipped_num_std", -1.0), ("unclipped_num_std", math.nan)],
+)  # fmt: skip
+def test_invalid_options_are_refused_naming_the_argument(name, value):
+    with pytest.raises(ValueError, match=name):
+        AdaptiveClippingOptions(**{**_VALID, name: value})
+
+
+def test_make_private_refuses_missing_options_misplaced_options_and_an_initial_norm_out_of_range():
+    model = nn.Linear(3, 2)
+    loader = DataLoader(TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,))), batch_size=5)
+
+    def make(**settings):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=loader, noise_multiplier=1.0, **settings)  # fmt: skip
+
+    with pytest.raises(ValueError, match="unclipped_num_std"):
+        make(max_grad_norm=1.0, clipping="adaptive", **{k: v for k, v in _VALID.items() if k != "unclipped_num_std"})
+    with pytest.raises(ValueError, match="target_unclipped_quantile"):
+        make(max_grad_norm=1.0, clipping="flat", target_unclipped_quantile=0.5)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        make(max_grad_norm=20.0, clipping="adaptive", **_VALID)
+    with pytest.raises(ValueError, match="unclipped_num_std"):
+        make(max_grad_norm=1.0, clipping="adaptive", **{**_VALID, "unclipped_num_std": 0.5})
+
+
+# ---------------------------------------------------------------------------------------------- Opacus
+def test_the_opacus_adaclip_optimizer_trains():
+    from privacy_engine.opacus import PrivacyEngine as OpacusEngine
+    from privacy_engine.opacus.optimizers import AdaClipDPOptimizer, get_optimizer_class
+
+    assert get_optimizer_class("adaptive", distributed=False) is AdaClipDPOptimizer
+    torch.manual_seed(13)
+    data = TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    engine = OpacusEngine()
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=16),
+        noise_multiplier=1.0, max_grad_norm=1.0, clipping="adaptive", **_VALID,
+    )  # fmt: skip
+    for x, y in loader:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+    assert optimizer.clipper.bounds[0] != 1.0 and 0 < engine.get_epsilon(1e-5) < math.inf
+    assert isinstance(optimizer, AdaClipDPOptimizer) and optimizer.max_grad_norm == optimizer.clipper.bounds[0]
+
+    bare = nn.Parameter(torch.zeros(3))
+    noiseless = AdaClipDPOptimizer(torch.optim.SGD([bare], lr=0.1), noise_multiplier=0.0, max_grad_norm=1.0,
+                                   expected_batch_size=4, **{**_VALID, "unclipped_num_std": 0.0})  # fmt: skip
+    bare.grad_sample = torch.full((4, 3), 10.0)  # every example clipped: the clip norm grows
+    noiseless.step()
+    assert noiseless.max_grad_norm == pytest.approx(math.exp(0.2 * 0.5))
+    adaclip = AdaClipDPOptimizer(torch.optim.SGD([bare], lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                                 expected_batch_size=4, generator=torch.Generator().manual_seed(0), **_VALID)  # fmt: skip
+    assert adaclip.noise_multiplier == 1.0  # recorded; the gradient's is sigma_delta
+    assert adaclip.gradient_noise_multiplier == pytest.approx(gradient_noise_multiplier(1.0, 2.0))
+    with pytest.raises(ValueError, match="unclipped_num_std"):
+        AdaClipDPOptimizer(torch.optim.SGD([bare], lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                           expected_batch_size=4, **{**_VALID, "unclipped_num_std": 0.5})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, noisy: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    from privacy_engine.training import distributed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        sigma, sigma_b = (1.0, 3.0) if noisy else (0.0, 0.0)
+        param, optimizer = _bare_optimizer(3, batch=len(grads), sigma=sigma, unclipped_num_std=sigma_b, seed=21)
+        distributed.configure(optimizer, distributed.current_job(None, 60.0, "test"))
+        half = len(grads) // 2
+        trajectory = []
+        for _ in range(3):
+            param.grad_sample = grads[rank * half : (rank + 1) * half].clone()
+            optimizer.step()
+            trajectory.append(optimizer.clipper.bounds)
+            optimizer.zero_grad()
+        torch.save({"trajectory": trajectory, "param": param.detach().clone()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes (a few seconds each on 2 cores)
+@pytest.mark.parametrize("noisy", [False, True])
+def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    generator = torch.Generator().manual_seed(20)
+    grads = _gradients_with_norms(torch.rand(16, dtype=torch.float64) * 3, 3, generator)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = str(tmp_path / "result")
+    mp.spawn(_ddp_worker, args=(2, port, grads, noisy, out), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
+    assert rank0["trajectory"] == rank1["trajectory"]  # one noised count, the same on every rank
+    assert torch.equal(rank0["param"], rank1["param"])
+    # The summed count is the union batch's count plus one noise draw (rank 0's): one process on all 16 rows
+    # with the same seed follows the same clip norms (up to the order of a float64 sum).
+    sigma, sigma_b = (1.0, 3.0) if noisy else (0.0, 0.0)
+    param, optimizer = _bare_optimizer(3, batch=16, sigma=sigma, unclipped_num_std=sigma_b, seed=21)
+    single = []
+    for _ in range(3):
+        _release(param, optimizer, grads)
+        single.append(optimizer.clipper.bounds)
+    np.testing.assert_allclose(np.array(single), np.array(rank0["trajectory"]), rtol=1e-12)
+    assert len({norms for norms in single}) == 3  # the clip norm moved at every step
+
+
+def test_secure_mode_draws_the_count_noise_from_the_os_and_never_saves_its_state():
+    def make():
+        param = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        optimizer = DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0,
+                                expected_batch_size=4, adaptive_clipping=_options(unclipped_num_std=2.0),
+                                secure_mode=True)  # fmt: skip
+        return param, optimizer
+
+    param, optimizer = make()
+    _release(param, optimizer, torch.ones(4, 3, dtype=torch.float64))
+    state = optimizer.state_dict()
+    assert state["privacy_engine.dp_state"]["clipper"]["adaptive"]["generator"] is None
+    _, resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.clipper.bounds == optimizer.clipper.bounds
+    with pytest.raises(ValueError, match="secure"):
+        DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                    adaptive_clipping=_options(unclipped_num_std=2.0), secure_mode=True, noise_seed=1)  # fmt: skip
