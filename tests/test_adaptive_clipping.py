@@ -4,6 +4,7 @@ accounted as one DP-SGD step at sigma, and it works with both clipping paths, mi
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import dp_accounting
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from privacy_engine import PrivacyEngine
 from privacy_engine.clipping import AdaptiveClippingOptions, gradient_noise_multiplier
+from privacy_engine.noise import BandMFNoise, GaussianNoise
 from privacy_engine.training.optimizer import DPOptimizer
 
 
@@ -30,13 +32,22 @@ def _options(**overrides: float) -> AdaptiveClippingOptions:
     return AdaptiveClippingOptions(**settings)
 
 
-def _bare_optimizer(dim: int = 4, *, batch: int = 100, sigma: float = 0.0, seed: int = 0, **overrides: float):
+def _bare_optimizer(dim: int = 4, *, batch: int = 100, sigma: float = 0.0, seed: int = 0, bandmf: bool = False,
+                    **overrides: float):  # fmt: skip
     """A DPOptimizer over one parameter whose per-sample gradients the test sets by hand (lr 0: the parameter
-    keeps still, so every step's gradients are the test's)."""
+    keeps still, so every step's gradients are the test's). ``bandmf``: BandMF noise (``_BANDS``, seeded)."""
     param = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+    noise = None
+    if bandmf:  # a given mechanism takes the seed; the count's generator's seed comes from torch's
+        noise = BandMFNoise(_BANDS, seed=seed)
+        torch.manual_seed(seed)
     optimizer = DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=sigma, max_grad_norm=1.0,
-                            expected_batch_size=batch, adaptive_clipping=_options(**overrides), noise_seed=seed)  # fmt: skip
+                            expected_batch_size=batch, adaptive_clipping=_options(**overrides),
+                            noise_seed=None if bandmf else seed, noise=noise)  # fmt: skip
     return param, optimizer
+
+
+_BANDS = (1.0, -0.6, 0.3, 0.1)  # a 4-banded strategy (any positive c_0 works)
 
 
 def _gradients_with_norms(norms: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -234,17 +245,189 @@ def test_a_checkpoint_with_other_adaptive_options_is_refused():
         other.load_state_dict(optimizer.state_dict())
 
 
-def test_bandmf_with_adaptive_clipping_is_refused():
-    data = TensorDataset(torch.randn(240, 5), torch.randint(0, 2, (240,)))
-    model = nn.Linear(5, 2)
-    with pytest.raises(ValueError, match="adaptive clipping with BandMF"):
-        PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=20),
-            noise_multiplier=1.0, max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
-            clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=2.0,
-            noise_mechanism="bandmf", num_bands=3, total_steps=12,
-        )  # fmt: skip
-    assert not hasattr(model, "_forward_hooks") or not model._forward_hooks  # nothing was hooked
+# ---------------------------------------------------------------------------------------------- BandMF
+def test_bandmf_rows_are_the_fixed_runs_unit_rows_times_sigma_delta_and_the_clip_norm_in_force():
+    """Noise only (zero gradients): the released row t is sigma_delta * C_t * u_t, with u_t the unit row of a
+    fixed-C BandMF run of the same seed (the history stays in one scale; the count's draws do not touch it)."""
+    dim, batch, steps = 50, 10, 9
+    param, adaptive = _bare_optimizer(dim, batch=batch, sigma=1.0, unclipped_num_std=2.0, seed=4, bandmf=True,
+                                      target_unclipped_quantile=0.3, clipbound_learning_rate=0.5)  # fmt: skip
+    sigma_delta = adaptive.gradient_noise_multiplier
+    assert adaptive.noise.clip_norm_may_change
+    fixed_param = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+    fixed = DPOptimizer(torch.optim.SGD([fixed_param], lr=0.0), noise_multiplier=sigma_delta, max_grad_norm=2.5,
+                        expected_batch_size=batch, noise=BandMFNoise(_BANDS, seed=4))  # fmt: skip
+    assert not fixed.noise.clip_norm_may_change
+    norms_in_force = []
+    for _ in range(steps):
+        clip_norm = adaptive.clipper.bounds[0]
+        norms_in_force.append(clip_norm)
+        released = _release(param, adaptive, torch.zeros(batch, dim, dtype=torch.float64))
+        reference = _release(fixed_param, fixed, torch.zeros(batch, dim, dtype=torch.float64))
+        torch.testing.assert_close(released / (sigma_delta * clip_norm), reference / (sigma_delta * 2.5),
+                                   rtol=1e-12, atol=1e-12)  # fmt: skip
+    assert len(set(norms_in_force)) == steps  # the clip norm moved at every step (all examples unclipped)
+
+
+def test_bandmf_with_a_fixed_clip_norm_adds_the_same_bits_with_the_switch_on_and_refuses_a_change_off():
+    def run(switch, scales, prefetch=False):
+        noise = BandMFNoise(_BANDS, seed=6, column_normalize_for_steps=len(scales), prefetch=prefetch)
+        noise.clip_norm_may_change = switch
+        out = []
+        for scale in scales:
+            tensors = [torch.zeros(7), torch.zeros(2, 3, dtype=torch.float64)]
+            noise.add_noise_(tensors, 1.3, scale)
+            out.append(tensors)
+        return noise, out
+
+    _, off = run(False, [0.7] * 6)
+    _, on = run(True, [0.7] * 6)
+    for a, b in zip(off, on, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # A changed clip norm: the same unit rows (column normalisation's row scales included), rescaled.
+    _, changed = run(True, [0.7, 1.4, 0.35, 0.0, 0.7, 2.1])
+    _, drawn_ahead = run(True, [0.7, 1.4, 0.35, 0.0, 0.7, 2.1], prefetch=True)  # the next draw made in the background
+    for a, b in zip(changed, drawn_ahead, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for a, b, scale in zip(off, changed, [0.7, 1.4, 0.35, 0.0, 0.7, 2.1], strict=True):
+        torch.testing.assert_close(b[1], a[1] * (scale / 0.7), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(b[0], a[0] * (scale / 0.7), rtol=1e-5, atol=1e-7)  # float32
+    noise, _ = run(False, [0.7])
+    with pytest.raises(ValueError, match="same noise_multiplier"):
+        noise.add_noise_([torch.zeros(7), torch.zeros(2, 3, dtype=torch.float64)], 1.3, 1.4)
+    assert noise.step == 1
+    zero, _ = run(True, [0.0])  # a first step without noise fixes no scale to rescale from
+    with pytest.raises(ValueError, match="same noise_multiplier"):
+        zero.add_noise_([torch.zeros(7), torch.zeros(2, 3, dtype=torch.float64)], 1.3, 1.4)
+
+
+def _bandmf_engine(grad_sample_mode="hooks", accountant="rdp", clipping="adaptive"):
+    torch.manual_seed(5)
+    data = TensorDataset(torch.randn(96, 6, dtype=torch.float64), torch.randint(0, 3, (96,)))
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    engine = PrivacyEngine(accountant=accountant)
+    module, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=DataLoader(data, batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=0.05 if clipping == "adaptive" else [0.03, 0.04], clipping=clipping,
+        target_unclipped_quantile=0.6, clipbound_learning_rate=0.5, max_clipbound=10.0, min_clipbound=0.001,
+        unclipped_num_std=4.0, noise_seed=7, grad_sample_mode=grad_sample_mode, noise_mechanism="bandmf",
+        num_bands=3, total_steps=24,
+    )  # fmt: skip
+    return engine, model, module, optimizer, loader
+
+
+def _steps(module, optimizer, batches, count):
+    trajectory = []
+    for step, (x, y) in enumerate(batches):
+        if step == count:
+            break
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        trajectory.append(optimizer.clipper.bounds)
+    return trajectory
+
+
+@pytest.mark.parametrize("clipping", ["adaptive", "per_layer_adaptive"])
+def test_bandmf_with_adaptive_clipping_trains_alike_in_hooks_and_ghost_and_costs_bandmfs_event_at_sigma(clipping):
+    results = {}
+    for mode in ("hooks", "ghost"):
+        engine, model, module, optimizer, loader = _bandmf_engine(mode, clipping=clipping)
+        assert type(optimizer.noise).__name__ == "BandMFNoise" and optimizer.num_bands == 3
+        trajectory = _steps(module, optimizer, itertools.chain(loader, loader), 24)  # two epochs
+        results[mode] = (trajectory, [p.detach().clone() for p in model.parameters()], engine.get_epsilon(1e-5))
+        steps, sample_rate = engine.accountant.steps, loader.sample_rate
+    (hooks_norms, hooks_params, hooks_eps), (ghost_norms, ghost_params, ghost_eps) = results["hooks"], results["ghost"]
+    assert len(hooks_norms) == 24 and len(set(hooks_norms)) > 1  # the clip norm moved
+    np.testing.assert_allclose(np.array(hooks_norms), np.array(ghost_norms), rtol=1e-12)
+    for a, b in zip(hooks_params, ghost_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # One BandMF event at sigma (not sigma_delta): ceil(steps / b) participations of a Poisson-sampled Gaussian.
+    assert steps == 24 and sample_rate == pytest.approx(3 * 8 / 96)
+    reference = dp_accounting.rdp.RdpAccountant()
+    reference.compose(dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(1.0)), 8)
+    assert hooks_eps == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9) and ghost_eps == hooks_eps
+
+
+def test_bandmf_with_adaptive_clipping_resumes_bit_identically_from_a_checkpoint(tmp_path):
+    engine, model, module, optimizer, loader = _bandmf_engine()
+    batches = iter(loader)
+    _steps(module, optimizer, [next(batches) for _ in range(5)], 5)
+    engine.save_checkpoint(path=tmp_path / "run.pt", module=module, optimizer=optimizer, data_loader=loader)
+    straight = _steps(module, optimizer, batches, 7)  # the rest of the epoch
+    straight_params = [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(123)  # another initialisation and count seed: the checkpoint restores both
+    resumed_engine, resumed_model, resumed_module, resumed_optimizer, resumed_loader = _bandmf_engine()
+    resumed_engine.load_checkpoint(path=tmp_path / "run.pt", module=resumed_module, optimizer=resumed_optimizer,
+                                   data_loader=resumed_loader)  # fmt: skip
+    assert resumed_optimizer.noise.clip_norm_may_change
+    resumed = _steps(resumed_module, resumed_optimizer, resumed_loader, 7)
+    assert resumed == straight and len(set(straight)) > 1
+    for a, b in zip(straight_params, resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b.detach())
+    assert resumed_engine.get_epsilon(1e-5) == engine.get_epsilon(1e-5)
+
+
+def test_a_bare_bandmf_optimizer_resumes_bit_identically_with_a_moving_clip_norm():
+    generator = torch.Generator().manual_seed(12)
+    batches = [_gradients_with_norms(torch.rand(8, dtype=torch.float64) * 3, 3, generator) for _ in range(8)]
+
+    def run(param, optimizer, indices):
+        return [(_release(param, optimizer, batches[i]), optimizer.clipper.bounds) for i in indices]
+
+    param, optimizer = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=13, bandmf=True)
+    straight = run(param, optimizer, range(8))
+    param, optimizer = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=13, bandmf=True)
+    first = run(param, optimizer, range(3))
+    saved = copy.deepcopy(optimizer.state_dict())
+    resumed_param, resumed = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=99, bandmf=True)
+    resumed.load_state_dict(saved)
+    assert resumed.noise.clip_norm_may_change
+    rest = run(resumed_param, resumed, range(3, 8))
+    assert len({norms for _, norms in straight}) == 8
+    for (grad_a, norms_a), (grad_b, norms_b) in zip(straight, first + rest, strict=True):
+        assert norms_a == norms_b and torch.equal(grad_a, grad_b)
+
+
+@pytest.mark.parametrize("point", ["history_written", "counters_computed"])
+def test_a_failed_bandmf_commit_changes_nothing_and_the_run_goes_on_as_a_clean_one(monkeypatch, point):
+    from privacy_engine.noise import mechanism
+
+    generator = torch.Generator().manual_seed(14)
+    batches = [_gradients_with_norms(torch.rand(8, dtype=torch.float64) * 3, 3, generator) for _ in range(6)]
+    param, clean = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=15, bandmf=True)
+    expected = [(_release(param, clean, b), clean.clipper.bounds) for b in batches]
+    param, optimizer = _bare_optimizer(3, batch=8, sigma=1.0, unclipped_num_std=2.0, seed=15, bandmf=True)
+    got = [(_release(param, optimizer, b), optimizer.clipper.bounds) for b in batches[:3]]
+
+    def fail(name):
+        if name == point:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(mechanism, "_commit_point", fail)
+    bounds = optimizer.clipper.bounds
+    with pytest.raises(RuntimeError, match="injected"):
+        _release(param, optimizer, batches[3])
+    assert optimizer.clipper.bounds == bounds and optimizer.noise.step == 3 and optimizer.steps_taken == 3
+    monkeypatch.undo()
+    optimizer.zero_grad()
+    got += [(_release(param, optimizer, b), optimizer.clipper.bounds) for b in batches[3:]]
+    for (grad_a, norms_a), (grad_b, norms_b) in zip(expected, got, strict=True):
+        assert norms_a == norms_b and torch.equal(grad_a, grad_b)
+
+
+def test_a_correlated_mechanism_without_the_clip_norm_switch_is_refused():
+    from accountants.events import EventSpec
+
+    class Correlated(GaussianNoise):
+        def privacy_event(self) -> EventSpec:
+            return EventSpec(num_bands=3)
+
+    param = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="clip_norm_may_change"):
+        DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                    adaptive_clipping=_options(unclipped_num_std=2.0), noise=Correlated(seed=0))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -323,7 +506,8 @@ def test_the_opacus_adaclip_optimizer_trains():
 
 
 # ---------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, noisy: bool, out: str) -> None:
+def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, noisy: bool, out: str,
+                bandmf: bool = False) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from privacy_engine.training import distributed
@@ -331,23 +515,26 @@ def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, nois
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         sigma, sigma_b = (1.0, 3.0) if noisy else (0.0, 0.0)
-        param, optimizer = _bare_optimizer(3, batch=len(grads), sigma=sigma, unclipped_num_std=sigma_b, seed=21)
+        param, optimizer = _bare_optimizer(3, batch=len(grads), sigma=sigma, unclipped_num_std=sigma_b, seed=21,
+                                           bandmf=bandmf)  # fmt: skip
         distributed.configure(optimizer, distributed.current_job(None, 60.0, "test"))
         half = len(grads) // 2
-        trajectory = []
+        trajectory, grads_released = [], []
         for _ in range(3):
             param.grad_sample = grads[rank * half : (rank + 1) * half].clone()
             optimizer.step()
             trajectory.append(optimizer.clipper.bounds)
+            grads_released.append(param.grad.detach().clone())
             optimizer.zero_grad()
-        torch.save({"trajectory": trajectory, "param": param.detach().clone()}, f"{out}.{rank}")
+        torch.save({"trajectory": trajectory, "param": param.detach().clone(), "grads": grads_released},
+                   f"{out}.{rank}")  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned processes (a few seconds each on 2 cores)
-@pytest.mark.parametrize("noisy", [False, True])
-def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy):
+@pytest.mark.parametrize("noisy, bandmf", [(False, False), (True, False), (True, True)])
+def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy, bandmf):
     import socket
 
     import torch.multiprocessing as mp
@@ -358,19 +545,23 @@ def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out = str(tmp_path / "result")
-    mp.spawn(_ddp_worker, args=(2, port, grads, noisy, out), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, port, grads, noisy, out, bandmf), nprocs=2, join=True)
     rank0, rank1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
     assert rank0["trajectory"] == rank1["trajectory"]  # one noised count, the same on every rank
     assert torch.equal(rank0["param"], rank1["param"])
     # The summed count is the union batch's count plus one noise draw (rank 0's): one process on all 16 rows
     # with the same seed follows the same clip norms (up to the order of a float64 sum).
     sigma, sigma_b = (1.0, 3.0) if noisy else (0.0, 0.0)
-    param, optimizer = _bare_optimizer(3, batch=16, sigma=sigma, unclipped_num_std=sigma_b, seed=21)
-    single = []
+    param, optimizer = _bare_optimizer(3, batch=16, sigma=sigma, unclipped_num_std=sigma_b, seed=21, bandmf=bandmf)
+    single, released = [], []
     for _ in range(3):
-        _release(param, optimizer, grads)
+        released.append(_release(param, optimizer, grads) / 16)
         single.append(optimizer.clipper.bounds)
     np.testing.assert_allclose(np.array(single), np.array(rank0["trajectory"]), rtol=1e-12)
+    if bandmf:  # rank 0's BandMF rows, rescaled by the same clip norms: what one process releases
+        for a, b, c in zip(released, rank0["grads"], rank1["grads"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            assert torch.equal(b, c)
     assert len({norms for norms in single}) == 3  # the clip norm moved at every step
 
 

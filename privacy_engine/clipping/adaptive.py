@@ -34,6 +34,20 @@ invertible) gives unit-variance Gaussian noise on a vector that one example move
 multiplier sigma, which sampling amplifies as one DP-SGD step (both parts are computed from the same
 sampled batch). So the accountant records the unchanged DP-SGD event at sigma. Needs ``2 sigma_b >
 sqrt(G) sigma``.
+
+With BandMF noise (``BandMFNoise.clip_norm_may_change``, set by the optimizer): step t releases ``(S_t +
+sigma_delta C_t ||c|| (C^-1 Z1)_t, B_t + sigma_b Z2_t)``, the history of BandMF kept in one scale and only
+row t multiplied by the clip norm ``C_t`` in force, which is public (a function of the initial norm and
+earlier released counts). Dividing the first part by ``C_t`` (post-processing) gives BandMF run on the
+normalised stream ``S_t / C_t``, to which one example contributes at most 1 per participation whatever
+``C_t`` is; a lower-triangular strategy stays private for such adaptively chosen inputs (Denisov et al.
+2022), as it already must for gradients that depend on earlier releases. The strategy's noise is scaled by
+its largest column norm ``||c||`` (column normalisation keeps it), so one participation at step t moves
+rows t..t+b-1 of ``C (S / C_.)`` by at most ``||c||`` against noise ``sigma_delta ||c||``, and its count
+(row t only: with cyclic Poisson sampling over b groups the example is in no other step of those b) by
+``sqrt(G)/2`` against ``sigma_b``: ``1/sigma`` in all, in rows no other participation touches. So the pair is
+one BandMF step at sigma with the same participation pattern, and the accountant records BandMF's event at
+sigma. The count's noise stays independent of BandMF's (its own generator).
 """
 
 from __future__ import annotations

@@ -61,8 +61,19 @@ class BandMFNoise(NoiseMechanism):
     (<= 1, = 1 for ``t <= n - b``): less noise in the final ``b - 1`` steps for the same
     guarantee. Steps beyond ``n`` are then undefined and raise ``RuntimeError``.
 
-    ``noise_multiplier * max_grad_norm`` must be the same at every step: the guarantee above is
-    for rows of ``Z`` with one scale.
+    ``noise_multiplier * max_grad_norm`` must be the same at every step (the guarantee above is for
+    rows of ``Z`` with one scale), unless ``clip_norm_may_change`` is set (``DPOptimizer`` sets it for
+    adaptive clipping). Then step ``t`` may pass another ``max_grad_norm = C_t`` (the same
+    ``noise_multiplier``) and adds ``(C_t / C_0)`` times the noise a run fixed at ``C_0`` (step 0's) adds at
+    step ``t``: the draws and the history stay in step 0's scale, and only the added row is rescaled.
+    Guarantee then: the noise of step ``t`` is ``noise_multiplier * C_t * ||c||_2 * (C^{-1} Z)_t`` with
+    ``Z`` unit Gaussian, i.e. the mechanism above run on the normalised stream ``G_t / C_t`` (one
+    participation moves ``C (G / C_.)`` by at most ``||c||_2``, whatever the ``C_t``) and its row ``t``
+    multiplied by ``C_t``. That is post-processing, hence as private as a fixed ``C``, provided ``C_t`` is
+    public (a function of earlier releases only); a lower-triangular strategy stays private for such
+    adaptively chosen inputs (Denisov et al. 2022). Whoever sets the flag vouches for that, and for a fixed
+    ``noise_multiplier`` (the accounting is at one sigma). A run fixed at one ``C`` adds the same bits with
+    or without the flag.
 
     =====================================  ============================================
     case                                   result
@@ -72,10 +83,16 @@ class BandMFNoise(NoiseMechanism):
     c_0 <= 0                               ValueError naming coefficients
     noise_multiplier = 0 at every step     no noise, step advances
     noise scale changes between steps      ValueError, nothing changed
+    ... with clip_norm_may_change          row rescaled by C_t / C_0 (step 0 scale > 0)
+    step-0 scale 0, later > 0 (flag set)   ValueError, nothing changed
     step >= column_normalize_for_steps     RuntimeError, nothing changed
     secure_mode with a seed                ValueError
     =====================================  ============================================
     """
+
+    #: Whether ``max_grad_norm`` may change between steps (see above); set by the caller that vouches the changes
+    #: are public (``DPOptimizer`` with adaptive clipping). Not saved in ``state_dict``.
+    clip_norm_may_change: bool = False
 
     def __init__(
         self,
@@ -105,7 +122,8 @@ class BandMFNoise(NoiseMechanism):
         self.num_bands = int(self.coefficients.size)
         self.sensitivity = float(np.linalg.norm(self.coefficients))
         self._ring_position = 0
-        self._fixed_scale: float | None = None  # noise_multiplier * max_grad_norm of step 0
+        self._fixed_scale: float | None = None  # noise_multiplier * max_grad_norm of step 0 (the history's unit)
+        self.clip_norm_may_change = False
         self._row_scale_tail = self._column_scales()
 
     def _column_scales(self) -> list[float]:
@@ -135,7 +153,11 @@ class BandMFNoise(NoiseMechanism):
 
     def _before_step(self, noise_scale: float) -> None:
         fixed = self._fixed_scale
-        if fixed is not None and not math.isclose(noise_scale, fixed, rel_tol=1e-9):
+        if (
+            fixed is not None
+            and not math.isclose(noise_scale, fixed, rel_tol=1e-9)
+            and not (self.clip_norm_may_change and fixed > 0)
+        ):
             raise ValueError(
                 "BandMFNoise needs the same noise_multiplier * max_grad_norm at every step "
                 f"(first step: {fixed}, now: {noise_scale}): the guarantee covers rows of Z "
@@ -149,6 +171,16 @@ class BandMFNoise(NoiseMechanism):
                 f"and step {self._step + 1} was requested; build the mechanism with the real "
                 "number of steps"
             )
+
+    def _rescaled(self) -> bool:
+        """Whether this step's scale differs from step 0's and the row is rescaled (``clip_norm_may_change``)."""
+        fixed = self._fixed_scale
+        return self.clip_norm_may_change and fixed is not None and self._this_step_scale != fixed
+
+    def _draw_std(self, std: float) -> float:
+        # A changed clip norm: draw in step 0's scale (the history's), as noise_std did at step 0 (same bits);
+        # _form_noise rescales the row by C_t / C_0.
+        return self._fixed_scale * self.sensitivity if self._rescaled() else std
 
     def privacy_event(self) -> EventSpec:
         """The Gaussian mechanism on every participation, with cyclic Poisson sampling over
@@ -203,7 +235,10 @@ class BandMFNoise(NoiseMechanism):
             group.formed_ahead = False  # formed in the background from this very state (_form_ahead)
         else:
             self._form_into(group.noise, group.history, self._ring_weights(group), self._ring_position)
-        return self._row_scale(self._step)
+        row_scale = self._row_scale(self._step)
+        if self._rescaled():
+            row_scale *= self._this_step_scale / self._fixed_scale  # C_t / C_0; the history keeps step 0's scale
+        return row_scale
 
     def _form_into(
         self, noise: torch.Tensor, history: torch.Tensor | None, ring_weights: torch.Tensor | None, position: int

@@ -222,6 +222,7 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         tensors = list(tensors)
         signature = self._check_tensors(tensors)
         self._before_step(scale)
+        std = self._draw_std(std)
         if not self._groups:
             self._initialise(tensors, signature)
         drawn = std > 0.0
@@ -290,6 +291,13 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         """Validate step-dependent conditions before anything is changed.
 
         ``noise_scale`` is the validated ``noise_multiplier * max_grad_norm``."""
+
+    def _draw_std(self, std: float) -> float:
+        """The std this step's fresh draws are made at, given ``noise_std`` of this step's arguments (called
+        right after ``_before_step``). Default: ``std`` itself. A mechanism whose draws keep one scale while
+        the released rows are rescaled (``BandMFNoise.clip_norm_may_change``) returns that scale here and the
+        rescaling from ``_form_noise``."""
+        return std
 
     def _form_noise(self, group: _DeviceGroup) -> float:
         """Turn ``group.noise`` (iid N(0, s^2)) into this step's noise; return a scale to apply

@@ -119,7 +119,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             the clipper's bounds become clip norms that track a quantile of the per-example norms; each release
             also releases the noised count of unclipped examples (noise drawn from a stream of ``noise_seed``,
             or the OS in secure mode) and the sum is noised at ``gradient_noise_multiplier`` (sigma_delta), so
-            that the pair is recorded as one step at ``noise_multiplier``. Refused with BandMF noise.
+            that the pair is recorded as one step at ``noise_multiplier``. With BandMF noise the mechanism's
+            ``clip_norm_may_change`` is set: row t is scaled by the clip norm in force (BandMF's history keeps one
+            scale), and the pair is recorded as one BandMF step at ``noise_multiplier``.
         canaries: an audit's canaries (``training.canary_slot.ClippedSumCanaries``, built by the engine
             for ``make_private(audit=...)``): called once per release to add their contributions to the
             clipped sums before the noise; counted in no accounting (they are not data). ``None``: none.
@@ -163,19 +165,23 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         # What the mechanism states each step is (a mechanism that states nothing is refused here, before
         # anything is released or counted); every release records exactly this.
         privacy_event = noise.privacy_event()
-        if clipper.adaptive is not None and privacy_event.num_bands > 1:
-            # BandMF's rows are combinations of earlier rows' noise at one scale (its analysis: one sensitivity
-            # for every step); a clip norm that moves each step would need each row at its own scale.
+        # Correlated noise (BandMF) with adaptive clipping: its rows combine earlier rows' noise, so a clip norm that
+        # moves each step needs the mechanism to keep its history in one scale and rescale only the row it adds (row
+        # t times C_t: the matrix mechanism on the normalised stream G_t / C_t, post-processed by the public C_t).
+        correlated_adaptive = clipper.adaptive is not None and privacy_event.num_bands > 1
+        if correlated_adaptive and not isinstance(getattr(noise, "clip_norm_may_change", None), bool):
             raise ValueError(
-                "adaptive clipping with BandMF noise: BandMF correlates each step's noise with earlier steps' at one "
-                "scale (sigma * max_grad_norm), which a clip norm that changes every step breaks. Use "
-                "noise_mechanism='gaussian' with adaptive clipping, or a fixed max_grad_norm with BandMF."
+                f"adaptive clipping with {type(noise).__name__}: its noise is correlated across steps "
+                f"(num_bands={privacy_event.num_bands}) and it has no clip_norm_may_change switch to rescale "
+                "each row by the clip norm in force. Use BandMFNoise or GaussianNoise with adaptive clipping."
             )
         check_accounting(
             accountant=accountant, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
             privacy_event=privacy_event,
             padding_mask_source=padding_mask_source, budget=budget,
         )  # fmt: skip
+        if correlated_adaptive:
+            noise.clip_norm_may_change = True  # the clip norms are public: set from earlier released counts only
 
         self._init_hook_tables()
         self.original_optimizer = optimizer
