@@ -30,11 +30,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
+from dpsgd_digits import accuracy, load_data, make_model  # the same model and data (run from tutorials/)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
@@ -69,33 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.epochs, args.canaries, args.epsilons = 2, 200, [4.0, 16.0]
     return args
-
-
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-
-
-def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
-    )
-    scaler = StandardScaler().fit(x_train)
-
-    def as_tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
-        features = np.clip(scaler.transform(x), -3.0, 3.0)  # bounded features help DP-SGD (dpsgd_digits.py)
-        return TensorDataset(torch.tensor(features, dtype=torch.float32), torch.tensor(y, dtype=torch.long))
-
-    return as_tensors(x_train, y_train), as_tensors(x_test, y_test)
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, data: TensorDataset) -> float:
-    model.eval()
-    features, labels = data.tensors
-    correct = float((model(features).argmax(dim=1) == labels).float().mean())
-    model.train()
-    return correct
 
 
 def audit_config(args: argparse.Namespace) -> AuditConfig:
@@ -136,7 +106,7 @@ def main(argv: list[str] | None = None) -> list[AuditReport]:
     args = parse_args(argv)
     torch.set_num_threads(1)  # a 64-64-10 MLP gains nothing from threads
     start = time.perf_counter()
-    train, test = load_data(args.seed)
+    train, test = load_data(args.seed, 3.0)
     print(f"digits: {len(train)} training examples; {args.canaries} {args.kind} canaries per run, "
           f"{args.epochs} epochs, expected batch {args.batch_size}, delta {args.delta:g}")  # fmt: skip
     reports, accuracies = [], []

@@ -61,21 +61,22 @@ def built_by_make_private() -> Iterator[None]:
 
 def wrapper_built(wrapper: Any) -> None:
     """Remember an Opacus-namespace wrapper; connect it to the newest unconnected optimizer that fits."""
-    if getattr(_MAKE_PRIVATE, "active", False):
-        return
-    _remember(_WRAPPERS, wrapper)
-    for optimizer in _newest_first(_OPTIMIZERS):
-        if _fits(wrapper, optimizer):
-            connect_private(wrapper, optimizer)
-            return
+    _built(wrapper, _WRAPPERS, _OPTIMIZERS, lambda optimizer: (wrapper, optimizer))
 
 
 def optimizer_built(optimizer: Any) -> None:
     """Remember an Opacus-namespace optimizer; connect it to the newest unconnected wrapper that fits."""
+    _built(optimizer, _OPTIMIZERS, _WRAPPERS, lambda wrapper: (wrapper, optimizer))
+
+
+def _built(piece: Any, own: Any, counterparts: Any, pair: Any) -> None:
+    """Outside the namespace's make_private: remember ``piece`` in ``own`` and connect it to the newest
+    counterpart that fits (``pair(counterpart)`` gives ``(wrapper, optimizer)``)."""
     if getattr(_MAKE_PRIVATE, "active", False):
         return
-    _remember(_OPTIMIZERS, optimizer)
-    for wrapper in _newest_first(_WRAPPERS):
+    _remember(own, piece)
+    for counterpart in _newest_first(counterparts):
+        wrapper, optimizer = pair(counterpart)
         if _fits(wrapper, optimizer):
             connect_private(wrapper, optimizer)
             return
