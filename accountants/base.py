@@ -33,7 +33,7 @@ from accountants.composition import (
     EventComposition,
     atom_sequence,
 )
-from accountants.events import DEFAULT_EVENT_KIND
+from accountants.events import DEFAULT_EVENT_KIND, entries_compose
 from accountants.history import HistoryEntry
 from accountants.registry import ACCOUNTANTS
 from accountants.state import AccountantStateMixin
@@ -157,6 +157,15 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         last = None if position is None else self._history[position]
         if last is None or not last.same_mechanism(entry):
             self._check_supported(entry)
+            if not entries_compose(entry.mechanism) and any(
+                e.source == entry.source and e.mechanism == entry.mechanism for e in self._history
+            ):
+                raise ValueError(
+                    f"a second ledger entry of event kind {entry.mechanism!r} for source {entry.source!r}: this kind "
+                    "accounts a whole run from its start as one mechanism, so its steps must stay one entry (same "
+                    "noise_multiplier, sample_rate and parameters, no other steps of this source in between); "
+                    "separate entries would be composed as independent mechanisms, which the correlated noise is not"
+                )
         if num_steps == 0:
             return
         if last is not None and last.same_mechanism(entry):

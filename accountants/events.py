@@ -48,6 +48,7 @@ __all__ = [
     "bandmf_event",
     "build_event",
     "dpsgd_event",
+    "entries_compose",
     "event_kinds",
     "gaussian_event",
     "max_participations",
@@ -304,6 +305,16 @@ def register_event_kind(kind: str, builder: EventBuilder | None = None) -> Any:
 
 def _qualified_name(function: Any) -> str:
     return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def entries_compose(kind: str) -> bool:
+    """Whether separate ledger entries of ``kind`` from one source may be composed as independent mechanisms.
+
+    True unless the kind's builder is marked ``whole_run = True``: its event for ``steps`` steps describes the
+    first ``steps`` steps of one mechanism run from its start (correlated noise analysed as one Gaussian
+    mechanism on the whole run, e.g. BLT's ``"blt"``), so a second entry of it for the same source cannot be
+    composed with the first (the accountant refuses to record one)."""
+    return not getattr(_builder(kind), "whole_run", False)
 
 
 def event_kinds() -> tuple[str, ...]:

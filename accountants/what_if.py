@@ -39,6 +39,21 @@ def _last_fitting(fits: Callable[[int], bool], high: int) -> int:
     return high if fits(high) else _last_fitting_above(fits, 0, high)
 
 
+def _last_fitting_from_below(fits: Callable[[int], bool], high: int) -> int:
+    """Largest k in [0, high] with fits(k), for fits monotone and fits(0) true, by doubling from 1 and then
+    bisection: never probes far past the first k that does not fit (probes there may cost more)."""
+    if high < 1 or not fits(1):
+        return 0
+    low, upper = 1, 2
+    while upper <= high and fits(upper):
+        low, upper = upper, 2 * upper
+    if upper > high:
+        if fits(high):
+            return high
+        upper = high
+    return _last_fitting_above(fits, low, upper)
+
+
 class WhatIfMixin:
     """The "what if" half of `Accountant` (which defines every attribute used here)."""
 
@@ -188,6 +203,10 @@ class WhatIfMixin:
         keys = list(changed(probe))
         if len(keys) != 1:
             return _last_fitting(fits, limit)
+        if probe < limit and list(changed(min(2 * probe, limit))) != keys:
+            # More steps give another atom, not more of this one (an event of the whole run whose parameters
+            # depend on the step count, e.g. BLT's "blt" kind): search on the step count itself, from below.
+            return _last_fitting_from_below(fits, limit)
         atom = next(atom for atom in grown(probe) if atom.key == keys[0])
 
         def added(steps: int) -> int:

@@ -29,6 +29,7 @@ from grad_samplers.registry import (
     registered_layer_samplers,
     weighted_sum_sampler_for,
 )
+from grad_samplers.units import is_per_sample_unit, register_per_sample_unit, registered_per_sample_units
 
 
 def register_optional_samplers() -> None:
@@ -41,6 +42,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "LayerSampler",
     "grad_sampler_for",
+    "is_per_sample_unit",
     "layer_sampler_for",
     "load_plugins",
     "norm_sampler_for",
@@ -48,8 +50,10 @@ __all__ = [
     "register_layer_sampler",
     "register_norm_sampler",
     "register_optional_samplers",
+    "register_per_sample_unit",
     "register_weighted_sum_sampler",
     "registered_grad_samplers",
     "registered_layer_samplers",
+    "registered_per_sample_units",
     "weighted_sum_sampler_for",
 ]

@@ -38,6 +38,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 PerSampleGradCallback = Callable[[nn.Parameter, torch.Tensor], None]
@@ -210,6 +211,17 @@ def _attention_through_batched_ops(module: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _math_attention_on_cpu(params) -> contextlib.AbstractContextManager:
+    """``F.scaled_dot_product_attention`` on its math kernel when the parameters are on the CPU: the CPU's
+    fused kernel has no ``vmap`` batching rule (vmap would call it once per example) and no gradient for a
+    mask that needs one (Swin adds its learned relative position bias through the mask). The math kernel
+    computes the same function in batched operations. On other devices the fused kernels have batching rules
+    and are left to torch's choice."""
+    if any(p.device.type != "cpu" for p in params):
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 # ---------------------------------------------------------------------------------- own forwards
@@ -391,6 +403,8 @@ def per_sample_forward(
     MultiheadAttention, 3-D attn_mask           split as (batch, heads, queries, keys)
     MultiheadAttention, unbatched query         ValueError
     no tensor with a batch dimension            ValueError
+    an output without the example at its dim    ValueError naming the module (one example's
+    (``batch_dim``, or the attention's)         output has no axis of size 1 there)
     type with a registered own forward          that forward (``register_per_sample_forward``)
     ==========================================  ==============================================
     """
@@ -419,15 +433,35 @@ def per_sample_forward(
         output_spec[:] = [spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]]
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         output_dims[:] = [plan.output_dims(index) for index in range(len(tensors))]
+        for index, (tensor, dim) in enumerate(zip(tensors, output_dims)):
+            if tensor.dim() > dim and tensor.shape[dim] != 1:
+                raise ValueError(_output_without_example_axis(module, module_path, index, tuple(tensor.shape), dim))
         return tuple(tensor.squeeze(dim) for tensor, dim in zip(tensors, output_dims))
 
     output_dims: list[int] = []
     batched = vmap(one_example, in_dims=(0, input_split_dims), out_dims=0, randomness="different")
-    with _attention_through_batched_ops(module), _own_forwards_under_vmap(module, module_path):
+    with (
+        _attention_through_batched_ops(module),
+        _own_forwards_under_vmap(module, module_path),
+        _math_attention_on_cpu(params.values()),
+    ):
         stacked = batched(expanded, inputs)
     tensor_outputs = iter(tensor.movedim(0, dim) if dim else tensor for tensor, dim in zip(stacked, output_dims))
     spec, leaves = output_spec
     return tree_unflatten([next(tensor_outputs) if leaf is _TENSOR else leaf for leaf in leaves], spec)
+
+
+def _output_without_example_axis(module: nn.Module, module_path: str, index: int, shape: tuple, dim: int) -> str:
+    label = f"{module_path!r} ({type(module).__name__})" if module_path else f"the model ({type(module).__name__})"
+    return (
+        f"{label} has its per-sample gradients computed through torch.func: its forward ran on each example "
+        f"alone, with the example at dim {dim} of its inputs, and its output tensor {index} came back with "
+        f"shape {shape} for one example, which has no axis of size 1 at dim {dim}: the output holds the examples "
+        f"at another dim (a batch-first head after a sequence-first encoder, or the reverse), and stacking it at "
+        f"dim {dim} would scramble them. Give the layers inside it a grad sampler each (so that each layer's own "
+        f"layout is read), declare the layout of the sub-modules that differ (a boolean batch_first attribute), or "
+        f"return the output with the examples at dim {dim}."
+    )
 
 
 __all__ = [

@@ -27,6 +27,7 @@ grad_sample_mode                   ``check_grad_sample_mode``            not one
 expected_batch_size                ``check_expected_batch_size``         missing with "mean"; not finite
                                                                          and > 0
 batch_first, nan_safe, ... (bool)  ``check_flag``                        anything but True / False
+privacy_unit                       ``check_privacy_unit``                not one of ``PRIVACY_UNITS``
 target_epsilon                     ``check_target_epsilon``              not finite and > 0
 target_delta                       ``check_target_delta``                outside (0, 1)
 epochs, total_steps, num_bands,    ``check_count``                       not an int >= the minimum
@@ -66,6 +67,7 @@ __all__ = [
     "CLIPPING_MODES",
     "GRAD_SAMPLE_MODES",
     "LOSS_REDUCTIONS",
+    "PRIVACY_UNITS",
     "check_clipbound_learning_rate",
     "check_clipbounds",
     "check_clipping",
@@ -81,6 +83,7 @@ __all__ = [
     "check_noise_multiplier",
     "check_noise_seed",
     "check_noise_std",
+    "check_privacy_unit",
     "check_rescale_to_unit_norm",
     "check_sample_rate",
     "check_target_delta",
@@ -97,6 +100,8 @@ CLIPPING_MODES = ("flat", "per_layer")
 #: The engine's adaptive modes (Andrew et al. 2021): flat / per-layer clipping whose bound(s) track a quantile.
 ADAPTIVE_CLIPPING_MODES = ("adaptive", "per_layer_adaptive")
 LOSS_REDUCTIONS = ("mean", "sum")
+#: What one neighbouring dataset differs by: one example, or one user (all of its examples).
+PRIVACY_UNITS = ("example", "user")
 # "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
 # so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "ew", "no_op")
@@ -275,6 +280,14 @@ def check_expected_batch_size(expected_batch_size: Any, *, loss_reduction: str) 
     if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
         raise ValueError(f"expected_batch_size must be finite and > 0; got {expected_batch_size!r}")
     return expected_batch_size
+
+
+def check_privacy_unit(privacy_unit: Any) -> str:
+    """``"example"`` (neighbouring datasets differ by one example) or ``"user"`` (by one user, all of its
+    examples); ``ValueError`` naming ``privacy_unit`` otherwise."""
+    if not isinstance(privacy_unit, str) or privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}; got {privacy_unit!r}")
+    return privacy_unit
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -246,6 +246,25 @@ def bandmf(rank: int) -> dict:
     return record
 
 
+def blt(rank: int) -> dict:
+    """BLT, 2 buffers, 2 cyclic groups, zero gradients: the noise rows of each rank."""
+    torch.manual_seed(3)
+    model = nn.Linear(6, 4)
+    initial = flat(model)
+    loader = DataLoader(IndexedData(48, 6), batch_size=8)
+    engine = engine_pld()
+    wrapped, optimizer, private_loader = engine.make_private(
+        module=DistributedDataParallel(model), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, noise_mechanism="blt", num_buffers=2,
+        num_bands=2, total_steps=6, noise_seed=9,
+    )
+    record = train(wrapped, optimizer, private_loader, 6, zero_loss=True)
+    strategy = optimizer.noise.strategy  # RankZeroNoise passes attributes on to rank 0's mechanism
+    record.update(initial=initial, epsilon=engine.get_epsilon(1e-5), steps=engine.accountant.steps,
+                  buf_decay=list(strategy.buf_decay), output_scale=list(strategy.output_scale))  # fmt: skip
+    return record
+
+
 def truncated(rank: int) -> dict:
     """Truncated sampling: global cap 6, so 3 entries per rank and step."""
     model = mlp(3)
@@ -455,6 +474,7 @@ def main() -> None:
         ("virtual", lambda: virtual(rank)), ("audited", lambda: audited(rank)),
         ("opacus_names", lambda: opacus_names(rank)),
         ("noisy", lambda: noisy(rank)), ("sampling", lambda: sampling(rank)), ("bandmf", lambda: bandmf(rank)),
+        ("blt", lambda: blt(rank)),
         ("truncated", lambda: truncated(rank)), ("mismatch", lambda: mismatch(rank)),
         ("reordered", lambda: reordered(rank)),
         ("checkpoint", lambda: checkpoint(rank, out)), ("fsdp2", lambda: fsdp2(rank)),

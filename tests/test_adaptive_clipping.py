@@ -4,8 +4,11 @@ accounted as one DP-SGD step at sigma, and it works with both clipping paths, mi
 from __future__ import annotations
 
 import copy
+import importlib
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -15,9 +18,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from privacy_engine import PrivacyEngine
-from privacy_engine.clipping import AdaptiveClippingOptions, gradient_noise_multiplier
+from privacy_engine.clipping import AdaptiveClippingOptions, PerSampleGradientClipper, gradient_noise_multiplier
 from privacy_engine.noise import BandMFNoise, GaussianNoise
 from privacy_engine.training.optimizer import DPOptimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tutorials"))
 
 
 def _options(**overrides: float) -> AdaptiveClippingOptions:
@@ -33,17 +38,19 @@ def _options(**overrides: float) -> AdaptiveClippingOptions:
 
 
 def _bare_optimizer(dim: int = 4, *, batch: int = 100, sigma: float = 0.0, seed: int = 0, bandmf: bool = False,
-                    **overrides: float):  # fmt: skip
+                    rescale: bool = False, **overrides: float):  # fmt: skip
     """A DPOptimizer over one parameter whose per-sample gradients the test sets by hand (lr 0: the parameter
-    keeps still, so every step's gradients are the test's). ``bandmf``: BandMF noise (``_BANDS``, seeded)."""
+    keeps still, so every step's gradients are the test's). ``bandmf``: BandMF noise (``_BANDS``, seeded);
+    ``rescale``: the clipped gradients divided by the clip norm in force (``rescale_to_unit_norm``)."""
     param = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
     noise = None
     if bandmf:  # a given mechanism takes the seed; the count's generator's seed comes from torch's
         noise = BandMFNoise(_BANDS, seed=seed)
         torch.manual_seed(seed)
+    clipper = PerSampleGradientClipper([param], 1.0, rescale_to_unit_norm=True) if rescale else None
     optimizer = DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=sigma, max_grad_norm=1.0,
                             expected_batch_size=batch, adaptive_clipping=_options(**overrides),
-                            noise_seed=None if bandmf else seed, noise=noise)  # fmt: skip
+                            noise_seed=None if bandmf else seed, noise=noise, clipper=clipper)  # fmt: skip
     return param, optimizer
 
 
@@ -111,8 +118,68 @@ def test_the_gradient_is_noised_at_sigma_delta_times_the_clip_norm_in_force():
     assert optimizer.noise_multiplier == 1.0  # what the accountant records
 
 
+# ---------------------------------------------------------------------------------------------- normalised release
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_rescaled_release_is_each_clipped_gradient_divided_by_the_clip_norm_in_force(clipping):
+    """rescale_to_unit_norm: against a float64 per-example loop over steps whose clip norms move, the released
+    sum is sum_i clip(g_i, C_t) / ||C_t|| (per layer: each slice clipped at its own C_{t,g}, all divided by
+    the total bound in force) and the next norms follow the geometric update of the centred counts."""
+    eta, gamma, batch, steps = 0.4, 0.5, 9, 6
+    generator = torch.Generator().manual_seed(11)
+    params = [nn.Parameter(torch.zeros(3, dtype=torch.float64)), nn.Parameter(torch.zeros(2, 2, dtype=torch.float64))]
+    initial = [1.0] if clipping == "flat" else [1.0, 0.5]
+    clipper = PerSampleGradientClipper(params, initial[0] if clipping == "flat" else initial, clipping=clipping,
+                                       rescale_to_unit_norm=True)  # fmt: skip
+    optimizer = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=0.0, max_grad_norm=clipper.config.max_grad_norm,
+                            expected_batch_size=batch, clipping=clipping, clipper=clipper, noise_seed=0,
+                            adaptive_clipping=_options(clipbound_learning_rate=eta, target_unclipped_quantile=gamma))  # fmt: skip
+    groups = [[0, 1]] if clipping == "flat" else [[0], [1]]
+    clip_norms = list(initial)
+    for step in range(steps):
+        assert optimizer.clipper.bounds == pytest.approx(tuple(clip_norms), rel=1e-12)
+        scale = math.exp(step / 3 - 1)  # the norms' scale drifts, so the clip norms move both ways
+        per_sample = [torch.randn(batch, *p.shape, dtype=torch.float64, generator=generator) * scale for p in params]
+        expected = [torch.zeros_like(p) for p in params]
+        counts = [0.0] * len(groups)
+        total_bound = math.sqrt(sum(c * c for c in clip_norms))
+        for i in range(batch):
+            for g, members in enumerate(groups):
+                norm = math.sqrt(sum(float(per_sample[k][i].pow(2).sum()) for k in members))
+                factor = min(1.0, clip_norms[g] / norm) / total_bound
+                counts[g] += (1.0 if norm <= clip_norms[g] else 0.0) - 0.5
+                for k in members:
+                    expected[k] += factor * per_sample[k][i]
+        for param, grads in zip(params, per_sample):
+            param.grad_sample = grads.clone()
+        optimizer.step()
+        for param, reference in zip(params, expected):
+            torch.testing.assert_close(param.grad * batch, reference, rtol=1e-12, atol=1e-14)
+        optimizer.zero_grad()
+        clip_norms = [
+            min(max(c * math.exp(-eta * (n / batch + 0.5 - gamma)), 1e-3), 100.0) for c, n in zip(clip_norms, counts)
+        ]
+    assert optimizer.clipper.bounds == pytest.approx(tuple(clip_norms), rel=1e-12)
+    assert len({round(c, 12) for c in clip_norms}) == len(clip_norms) and clip_norms != initial
+
+
+def test_rescaled_noise_is_sigma_delta_whatever_the_clip_norm():
+    """rescale_to_unit_norm: the sensitivity is 1, so the noise std is sigma_delta at every step, while the
+    clip norm in force moves (zero gradients: every example unclipped, the norm shrinks)."""
+    dim, batch = 20_000, 10
+    param, optimizer = _bare_optimizer(dim, batch=batch, sigma=1.0, unclipped_num_std=2.0, seed=3, rescale=True,
+                                       clipbound_learning_rate=1.0)  # fmt: skip
+    norms_in_force = []
+    for _ in range(3):
+        norms_in_force.append(optimizer.clipper.bounds[0])
+        released = _release(param, optimizer, torch.zeros(batch, dim, dtype=torch.float64))
+        assert float(released.std()) == pytest.approx(gradient_noise_multiplier(1.0, 2.0), rel=0.03)
+    assert norms_in_force[2] < 0.5 * norms_in_force[0]
+    assert optimizer.clipper.sensitivity == 1.0 and optimizer.noise_multiplier == 1.0
+
+
 # ---------------------------------------------------------------------------------------------- accounting
-def test_epsilon_equals_dp_accountings_dpsgd_at_sigma():
+@pytest.mark.parametrize("rescale", [False, True])
+def test_epsilon_equals_dp_accountings_dpsgd_at_sigma(rescale):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(256, 6), torch.randint(0, 2, (256,)))
     model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -121,6 +188,7 @@ def test_epsilon_equals_dp_accountings_dpsgd_at_sigma():
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=32),
         noise_multiplier=1.1, max_grad_norm=1.0, clipping="adaptive", target_unclipped_quantile=0.5,
         clipbound_learning_rate=0.2, max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=1.6, noise_seed=0,
+        rescale_to_unit_norm=rescale,
     )  # fmt: skip
     steps = 0
     for x, y in loader:
@@ -133,7 +201,9 @@ def test_epsilon_equals_dp_accountings_dpsgd_at_sigma():
     assert engine.get_epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
 
 
-def test_removing_one_example_moves_the_sum_by_at_most_c_and_the_count_by_one_half():
+@pytest.mark.parametrize("rescale", [False, True])
+def test_removing_one_example_moves_the_sum_by_at_most_c_and_the_count_by_one_half(rescale):
+    """Black box: the released sum moves by at most the clip norm in force (1 when rescaled to unit norm)."""
     generator = torch.Generator().manual_seed(4)
     norms = torch.tensor([0.2, 0.7, 1.0, 1.5, 3.0, 40.0, 0.0, 0.99], dtype=torch.float64)
     grads = _gradients_with_norms(norms, 5, generator)
@@ -141,7 +211,7 @@ def test_removing_one_example_moves_the_sum_by_at_most_c_and_the_count_by_one_ha
     eta, gamma, batch = 0.2, 0.5, 8
 
     def release(rows):
-        param, optimizer = _bare_optimizer(5, batch=batch, max_clipbound=1000.0, min_clipbound=1e-6)
+        param, optimizer = _bare_optimizer(5, batch=batch, max_clipbound=1000.0, min_clipbound=1e-6, rescale=rescale)
         clip_norm = optimizer.clipper.bounds[0]
         released = _release(param, optimizer, grads[rows])
         after = optimizer.clipper.bounds[0]
@@ -153,12 +223,12 @@ def test_removing_one_example_moves_the_sum_by_at_most_c_and_the_count_by_one_ha
     for removed in range(len(norms)):
         kept = [i for i in range(len(norms)) if i != removed]
         neighbour, neighbour_count, _ = release(kept)
-        assert float((released - neighbour).norm()) <= clip_norm * (1 + 1e-12)
+        assert float((released - neighbour).norm()) <= (1.0 if rescale else clip_norm) * (1 + 1e-12)
         assert abs(count - neighbour_count) == pytest.approx(0.5, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------- paths
-def _train(grad_sample_mode: str, clipping: str = "adaptive", steps: int = 6):
+def _train(grad_sample_mode: str, clipping: str = "adaptive", steps: int = 6, rescale: bool = False):
     torch.manual_seed(5)
     data = TensorDataset(torch.randn(128, 6, dtype=torch.float64), torch.randint(0, 3, (128,)))
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -167,7 +237,7 @@ def _train(grad_sample_mode: str, clipping: str = "adaptive", steps: int = 6):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=DataLoader(data, batch_size=16),
         noise_multiplier=1.0, max_grad_norm=0.05 if clipping == "adaptive" else [0.03, 0.04], clipping=clipping,
         target_unclipped_quantile=0.6, clipbound_learning_rate=0.5, max_clipbound=10.0, min_clipbound=0.001,
-        unclipped_num_std=4.0, noise_seed=7, grad_sample_mode=grad_sample_mode,
+        unclipped_num_std=4.0, noise_seed=7, grad_sample_mode=grad_sample_mode, rescale_to_unit_norm=rescale,
     )  # fmt: skip
     trajectory = []
     for step, (x, y) in enumerate(loader):
@@ -180,10 +250,11 @@ def _train(grad_sample_mode: str, clipping: str = "adaptive", steps: int = 6):
     return trajectory, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("rescale", [False, True])
 @pytest.mark.parametrize("clipping", ["adaptive", "per_layer_adaptive"])
-def test_hooks_and_ghost_follow_the_same_clip_norms_and_updates(clipping):
-    hooks_norms, hooks_params = _train("hooks", clipping)
-    ghost_norms, ghost_params = _train("ghost", clipping)
+def test_hooks_and_ghost_follow_the_same_clip_norms_and_updates(clipping, rescale):
+    hooks_norms, hooks_params = _train("hooks", clipping, rescale=rescale)
+    ghost_norms, ghost_params = _train("ghost", clipping, rescale=rescale)
     assert len(hooks_norms) == 6 and len(set(hooks_norms)) > 1  # the clip norm moved
     np.testing.assert_allclose(np.array(hooks_norms), np.array(ghost_norms), rtol=1e-12)
     for a, b in zip(hooks_params, ghost_params):
@@ -246,12 +317,15 @@ def test_a_checkpoint_with_other_adaptive_options_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- BandMF
-def test_bandmf_rows_are_the_fixed_runs_unit_rows_times_sigma_delta_and_the_clip_norm_in_force():
-    """Noise only (zero gradients): the released row t is sigma_delta * C_t * u_t, with u_t the unit row of a
-    fixed-C BandMF run of the same seed (the history stays in one scale; the count's draws do not touch it)."""
+@pytest.mark.parametrize("rescale", [False, True])
+def test_bandmf_rows_are_the_fixed_runs_unit_rows_times_sigma_delta_and_the_clip_norm_in_force(rescale):
+    """Noise only (zero gradients): the released row t is sigma_delta * C_t * u_t (rescaled to unit norm:
+    sigma_delta * u_t, the sensitivity staying 1), with u_t the unit row of a fixed-C BandMF run of the same
+    seed (the history stays in one scale; the count's draws do not touch it)."""
     dim, batch, steps = 50, 10, 9
     param, adaptive = _bare_optimizer(dim, batch=batch, sigma=1.0, unclipped_num_std=2.0, seed=4, bandmf=True,
-                                      target_unclipped_quantile=0.3, clipbound_learning_rate=0.5)  # fmt: skip
+                                      target_unclipped_quantile=0.3, clipbound_learning_rate=0.5,
+                                      rescale=rescale)  # fmt: skip
     sigma_delta = adaptive.gradient_noise_multiplier
     assert adaptive.noise.clip_norm_may_change
     fixed_param = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
@@ -264,7 +338,8 @@ def test_bandmf_rows_are_the_fixed_runs_unit_rows_times_sigma_delta_and_the_clip
         norms_in_force.append(clip_norm)
         released = _release(param, adaptive, torch.zeros(batch, dim, dtype=torch.float64))
         reference = _release(fixed_param, fixed, torch.zeros(batch, dim, dtype=torch.float64))
-        torch.testing.assert_close(released / (sigma_delta * clip_norm), reference / (sigma_delta * 2.5),
+        scale = 1.0 if rescale else clip_norm
+        torch.testing.assert_close(released / (sigma_delta * scale), reference / (sigma_delta * 2.5),
                                    rtol=1e-12, atol=1e-12)  # fmt: skip
     assert len(set(norms_in_force)) == steps  # the clip norm moved at every step (all examples unclipped)
 
@@ -583,3 +658,14 @@ def test_secure_mode_draws_the_count_noise_from_the_os_and_never_saves_its_state
     with pytest.raises(ValueError, match="secure"):
         DPOptimizer(torch.optim.SGD([param], lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
                     adaptive_clipping=_options(unclipped_num_std=2.0), secure_mode=True, noise_seed=1)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the tutorial
+@pytest.mark.slow
+def test_the_adaptive_clipping_tutorial_runs_in_its_quick_mode(capsys):
+    tutorial = importlib.import_module("adaptive_clipping_digits")
+    summary = tutorial.main(["--quick"])
+    row = summary[4.0]
+    assert row["epsilon"] <= 4.0 + 1e-9  # both sides calibrated to the same target, not past it
+    assert row["fixed C"] == 1.0 and row["fixed"] > 0.6 and row["adaptive from 0.1"] > 0.6  # chance: 0.1
+    assert "worst gap" in capsys.readouterr().out

@@ -293,3 +293,23 @@ def test_an_adaptive_clipping_run_adds_canaries_at_the_clip_norm_in_force_and_st
         warnings.simplefilter("error", AuditBoundWarning)
         report = sigma_run[0].audit_report()
     assert 0 <= report.epsilon_lower_bound < report.claimed_epsilon, report
+
+
+def test_a_rescaled_adaptive_run_adds_unit_canaries_while_its_clip_norm_moves():
+    # rescale_to_unit_norm: the release is in units of the clip norm in force, so a canary (one more example)
+    # is scaled to the sensitivity 1 at every step, whatever the clip norm is.
+    adaptive = {"clipping": "adaptive", "target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.5,
+                "max_clipbound": 10.0, "min_clipbound": 0.01, "unclipped_num_std": 40.0, "rescale_to_unit_norm": True}  # fmt: skip
+    run = make_run(audit=AuditConfig(num_canaries=12, seed=5), sigma=0.0, dtype=torch.float64, lr=0.1, **adaptive)
+    _, _, optimizer, _ = run
+    seen = []
+    gradient = optimizer.canaries.canary_gradient
+
+    def spy(sample_rate, clip_norm, **kwargs):
+        seen.append((clip_norm, float(optimizer.clipper.adaptive.clip_norms[0])))
+        return gradient(sample_rate, clip_norm, **kwargs)
+
+    optimizer.canaries.canary_gradient = spy
+    train(run, 4)
+    assert [clip_norm for clip_norm, _ in seen] == [1.0] * 4
+    assert len({round(in_force, 9) for _, in_force in seen}) > 1, "the clip norm should move under adaptive clipping"

@@ -348,7 +348,9 @@ MISMATCHES = [
     ("accountant history", {}, {}, {}, {}, _accountant_history_damaged, "noise_multiplier"),
     ("mechanism", {"mechanism": "bandmf"}, {}, {}, {}, None, "mechanism='bandmf'"),
     ("number of bands", {"mechanism": "bandmf"}, {"mechanism": "bandmf", "num_bands": 2}, {}, {}, None, "num_bands"),
-    ("noise multiplier", {}, {"noise_multiplier": 1.5}, {}, {}, None, "noise_multiplier"),
+    # DP-SGD resumed at another sigma is allowed and accounted (tests/test_schedules.py); BandMF's sigma must match.
+    ("noise multiplier", {"mechanism": "bandmf"}, {"mechanism": "bandmf", "noise_multiplier": 1.5}, {}, {}, None,
+     "noise_multiplier"),
     ("parameter names", {}, {"names": True}, {}, {}, None, "'first.weight'"),
     ("parameter shapes", {}, {"hidden": 7}, {}, {}, None, "shape"),
     ("optimizer class", {}, {"optimizer": "adam"}, {}, {}, None, "saved from a SGD"),

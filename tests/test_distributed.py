@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.noise import BandMFNoise, BLTNoise, BLTStrategy, GaussianNoise
 from privacy_engine.training.distributed import (
     DistributedCyclicPoissonBatchSampler,
     DistributedPoissonBatchSampler,
@@ -236,6 +236,21 @@ def test_bandmf_noise_under_ddp_is_rank_zeros_correlated_sequence(job):
     expected = replay_noise(BandMFNoise(coefficients, seed=9), [(4, 6), (4,)], 1.0, 1.0, 6)
     torch.testing.assert_close(torch.stack(deltas), torch.stack(expected), rtol=0, atol=1e-10)
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
+
+
+@pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
+def test_blt_noise_under_ddp_is_rank_zeros_streamed_sequence_drawn_once(job):
+    rank0, rank1 = both(job, "blt")
+    strategy = BLTStrategy(buf_decay=rank0["buf_decay"], output_scale=rank0["output_scale"])
+    previous = rank0["initial"]
+    deltas = []
+    for params in rank0["params"]:
+        deltas.append((previous - params) * 8.0)  # lr 1, global expected batch 8
+        previous = params
+    expected = replay_noise(BLTNoise(strategy, min_sep=2, total_steps=6, seed=9), [(4, 6), (4,)], 1.0, 1.0, 6)
+    torch.testing.assert_close(torch.stack(deltas), torch.stack(expected), rtol=0, atol=1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"]))
+    assert rank0["steps"] == rank1["steps"] == 6 and rank0["epsilon"] == rank1["epsilon"]
 
 
 # ------------------------------------------------------------------------------ sampling (engine)

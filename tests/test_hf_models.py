@@ -195,7 +195,7 @@ def test_other_batch_mismatch_still_raises() -> None:
             return self.a(x).sum() + self.b(y).sum()
 
     wrapped = GradSampleModule(TwoInputs())
-    with pytest.raises(ValueError, match=r"'b' \(Linear\) got 3 examples .* but 'a' \(Linear\) got 4"):
+    with pytest.raises(ValueError, match=r"'b' \(Linear\) has 3 rows at dim 0.* but 'a' \(Linear\) had 4"):
         wrapped(torch.randn(4, 3), torch.randn(3, 3))
 
 

@@ -125,3 +125,63 @@ def test_plain_trainer_with_a_private_optimizer_is_refused(tmp_path) -> None:
                                    optimizers=(private_optimizer, None))  # fmt: skip
     with pytest.raises(RuntimeError, match="without going through its GradSampleModule.*DPTrainer"):
         trainer.train()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_private_model_presents_the_wrapped_models_signature_and_attributes(mode: str) -> None:
+    """Tools that read a model's forward signature (Trainer keeps only the dataset columns it accepts) see the
+    wrapped model's, not the wrapper's ``*args, **kwargs``; HF's introspected attributes come through."""
+    import inspect
+
+    model = _model()
+    private_model, _, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(TokenDataset(), batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, grad_sample_mode=mode,
+    )  # fmt: skip
+    assert private_model is not model
+    assert inspect.signature(private_model.forward) == inspect.signature(model.forward)
+    assert "input_ids" in inspect.signature(private_model.forward).parameters
+    assert private_model.main_input_name == "input_ids"
+    assert private_model.config is model.config
+    assert private_model.can_generate() == model.can_generate()
+
+
+def test_plain_trainer_given_the_private_model_keeps_the_columns(tmp_path) -> None:
+    """A plain Trainer given the private model used to drop every column ("The batch received was empty"); it
+    now passes the model its inputs, and the step contract refuses its own shuffled batches (no private loader)."""
+    model = _model()
+    dataset = TokenDataset()
+    private_model, private_optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(dataset, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=private_model, args=_arguments(tmp_path), train_dataset=dataset,
+                                   optimizers=(private_optimizer, None))  # fmt: skip
+    with pytest.raises(RuntimeError, match="data that the private loader did not draw"):
+        trainer.train()
+
+
+def test_wrapper_signature_is_the_models_own_forward_even_through_the_fallback() -> None:
+    """A model whose root owns a large parameter runs whole through the fallback (its forward replaced on the
+    instance); the wrapper still presents the model's own forward signature. Calls are unchanged."""
+    import inspect
+
+    from privacy_engine import GhostClippingModule, GradSampleModule, PerSampleGradientClipper
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(20))
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, *, shift: float = 0.0) -> torch.Tensor:
+            return self.linear(x) * self.scale[:3] + shift
+
+    for build in (GradSampleModule, lambda m: GhostClippingModule(m, clipper=PerSampleGradientClipper(list(m.parameters()), 1.0))):
+        model = Scaled()
+        expected = inspect.signature(Scaled.forward).replace(parameters=list(inspect.signature(Scaled.forward).parameters.values())[1:])
+        wrapped = build(model)
+        assert inspect.signature(wrapped.forward) == expected
+        x = torch.randn(4, 3)
+        torch.testing.assert_close(wrapped(x, shift=1.0), model.linear(x) * model.scale[:3] + 1.0)

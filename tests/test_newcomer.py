@@ -331,5 +331,5 @@ def test_a_batch_size_error_names_both_layers_with_their_classes():
             return self.text(tokens).sum() + self.image(pixels).sum()
 
     wrapped = GradSampleModule(TwoInputs())
-    with pytest.raises(ValueError, match=r"'image' \(Linear\) got 3 examples .* but 'text' \(Embedding\) got 4"):
+    with pytest.raises(ValueError, match=r"'image' \(Linear\) has 3 rows at dim 0.* but 'text' \(Embedding\) had 4\. .*\(1\) If the inputs differ"):
         wrapped(torch.randint(0, 10, (4, 2)), torch.randn(3, 3))

@@ -1,9 +1,10 @@
-"""BandMF against DP-SGD on scikit-learn's handwritten digits, at the same (epsilon, delta).
+"""DP-SGD, BandMF, BLT and the engine's automatic choice on scikit-learn's handwritten digits, at the same
+(epsilon, delta).
 
-    python tutorials/bandmf_vs_dpsgd.py                     # epsilons 1 2 4 8, seeds 0-4
-    python tutorials/bandmf_vs_dpsgd.py --epsilons 2 8 --seeds 0 1 --plot /tmp/cmp.png
+    python tutorials/bandmf_vs_dpsgd.py                     # epsilons 1 2 4 8, seeds 0-4, all four
+    python tutorials/bandmf_vs_dpsgd.py --epsilons 2 8 --seeds 0 1 --mechanisms gaussian blt --plot /tmp/cmp.png
 
-Both runs train the 64-64-10 MLP of ``dpsgd_digits.py`` on the same data split with the same
+Every run trains the 64-64-10 MLP of ``dpsgd_digits.py`` on the same data split with the same
 optimiser, batch size, epochs and clipping; only the noise differs:
 
 * DP-SGD: Poisson sampling, independent Gaussian noise at every step.
@@ -12,6 +13,12 @@ optimiser, batch size, epochs and clipping; only the noise differs:
   of updates. The engine picks b among 1, 2, 4, 8, ... (at most the steps per epoch) by the
   expected error of the noisy prefix sums, each b with its own noise multiplier calibrated to
   the target; b = 1 is exactly DP-SGD.
+* BLT (``noise_mechanism="blt"``): buffered-linear-Toeplitz noise, correlated over the whole run
+  through 4 buffers per parameter, with cyclic sampling over as many groups as there are steps per
+  epoch (each example once per epoch). It is accounted without amplification by sampling (no such
+  analysis covers its non-banded strategy), so at small epsilon it needs much more noise.
+* auto (``noise_mechanism="auto"``): the engine calibrates DP-SGD, BandMF (each b) and BLT (2, 4, 6
+  buffers) to the target and keeps the one with the lowest expected error of the noisy prefix sums.
 
 Each (epsilon, mechanism) is calibrated with PLD accounting so that the whole run stays within
 (epsilon, delta). The table gives the mean test accuracy (and spread) over the seeds.
@@ -45,8 +52,8 @@ try:  # run as a script from anywhere: tutorials/ is on sys.path
 except ImportError:  # imported as tutorials.bandmf_vs_dpsgd from the repository root
     from tutorials.dpsgd_digits import accuracy, load_data, make_model
 
-MECHANISMS = ("gaussian", "bandmf")
-LABELS = {"gaussian": "DP-SGD", "bandmf": "BandMF"}
+MECHANISMS = ("gaussian", "bandmf", "blt", "auto")
+LABELS = {"gaussian": "DP-SGD", "bandmf": "BandMF", "blt": "BLT", "auto": "auto"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -61,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-example clipping bound")
     parser.add_argument("--feature-clip", type=float, default=3.0, help="clip standardised features to +-this")
     parser.add_argument("--plot", default="bandmf_vs_dpsgd.png", help="where to save the accuracy plot (PNG)")
+    parser.add_argument("--mechanisms", nargs="+", choices=MECHANISMS, default=list(MECHANISMS),
+                        help="which noise mechanisms to run (DP-SGD is always run: the others are compared to it)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -73,6 +82,8 @@ class RunResult:
     num_bands: int
     noise_multiplier: float
     epsilon_spent: float
+    #: What ran: ``DP-SGD``, ``BandMF b=4``, ``BLT d=4`` (for "auto": the mechanism it chose).
+    detail: str
 
 
 def train_one(
@@ -103,7 +114,10 @@ def train_one(
             loss_fn(model(features), labels).backward()
             optimizer.step()
             progress.update()
+    plan = engine.noise_plan
+    detail = {"gaussian": "DP-SGD", "bandmf": f"BandMF b={plan.num_bands}", "blt": f"BLT d={plan.num_buffers}"}
     return RunResult(
+        detail=detail[plan.mechanism] if plan.num_bands > 1 or plan.mechanism != "bandmf" else "DP-SGD",
         mechanism=mechanism,
         epsilon=epsilon,
         seed=seed,
@@ -123,29 +137,34 @@ def summary(results: list[RunResult], mechanism: str, epsilon: float) -> tuple[f
 
 def print_table(args: argparse.Namespace, results: list[RunResult]) -> None:
     print()
-    print(f"test accuracy, mean +- std over seeds {args.seeds} (delta = {args.delta:g})")
-    header = (
-        f"{'epsilon':>7} | {'DP-SGD acc':>15} | {'BandMF acc (b chosen)':>25} | {'BandMF - DP-SGD':>16} | "
-        f"{'sigma DP-SGD':>12} | {'sigma BandMF':>12}"
-    )
+    print(f"test accuracy, mean +- std over seeds {args.seeds} (delta = {args.delta:g}); in brackets what ran; "
+          "gain: paired by seed (same split and initial weights), minus DP-SGD")  # fmt: skip
+    mechanisms = [m for m in MECHANISMS if m in mechanisms_run(args)]
+    header = f"{'epsilon':>7} | " + " | ".join(f"{LABELS[m]:>34}" for m in mechanisms)
     print(header)
     print("-" * len(header))
     for epsilon in args.epsilons:
-        dpsgd_mean, dpsgd_std, dpsgd_runs = summary(results, "gaussian", epsilon)
-        bandmf_mean, bandmf_std, bandmf_runs = summary(results, "bandmf", epsilon)
-        bands = "/".join(str(b) for b in sorted({r.num_bands for r in bandmf_runs}))
-        bandmf_cell = f"{bandmf_mean:.2%} +- {bandmf_std:.2%} (b={bands})"
-        # Paired by seed (same split, same initial weights): the spread of the difference is
-        # smaller than either run's own spread.
-        gains = [100 * (b.accuracy - d.accuracy) for b, d in zip(bandmf_runs, dpsgd_runs)]
-        gain_spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
-        gain_cell = f"{statistics.fmean(gains):+.2f} +- {gain_spread:.2f} pt"
-        print(
-            f"{epsilon:>7g} | {f'{dpsgd_mean:.2%} +- {dpsgd_std:.2%}':>15} | {bandmf_cell:>25} | {gain_cell:>16} | "
-            f"{dpsgd_runs[0].noise_multiplier:>12.3f} | {bandmf_runs[0].noise_multiplier:>12.3f}"
-        )
+        _, _, dpsgd_runs = summary(results, "gaussian", epsilon)
+        cells = []
+        for mechanism in mechanisms:
+            mean, spread, runs = summary(results, mechanism, epsilon)
+            ran = "/".join(sorted({r.detail for r in runs}))
+            cell = f"{mean:.2%} +- {spread:.2%} [{ran}]"
+            if mechanism != "gaussian":
+                gains = [100 * (r.accuracy - d.accuracy) for r, d in zip(runs, dpsgd_runs)]
+                cell += f" {statistics.fmean(gains):+.1f}pt"
+            cells.append(f"{cell:>34}")
+        print(f"{epsilon:>7g} | " + " | ".join(cells))
+    print("sigma per mechanism and epsilon: " + "; ".join(
+        f"{LABELS[m]} " + ", ".join(f"{summary(results, m, e)[2][0].noise_multiplier:.3g}" for e in args.epsilons)
+        for m in mechanisms))  # fmt: skip
     worst = max(r.epsilon_spent / r.epsilon for r in results)
     print(f"every run stayed within its budget: largest epsilon spent / target = {worst:.4f}")
+
+
+def mechanisms_run(args: argparse.Namespace) -> list[str]:
+    """DP-SGD (the reference) and the mechanisms asked for, in ``MECHANISMS`` order."""
+    return [m for m in MECHANISMS if m == "gaussian" or m in args.mechanisms]
 
 
 def save_plot(args: argparse.Namespace, results: list[RunResult]) -> None:
@@ -158,14 +177,14 @@ def save_plot(args: argparse.Namespace, results: list[RunResult]) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    for mechanism, marker in zip(MECHANISMS, ("o", "s")):
+    for mechanism, marker in zip(mechanisms_run(args), ("o", "s", "^", "D")):
         stats = [summary(results, mechanism, epsilon) for epsilon in args.epsilons]
         axes.errorbar(args.epsilons, [100 * s[0] for s in stats], yerr=[100 * s[1] for s in stats], marker=marker,
                       capsize=3, label=LABELS[mechanism])  # fmt: skip
-        if mechanism == "bandmf":
+        if mechanism in ("bandmf", "auto"):
             for epsilon, (mean, _, runs) in zip(args.epsilons, stats):
-                axes.annotate(f"b={runs[0].num_bands}", (epsilon, 100 * mean), textcoords="offset points",
-                              xytext=(4, -12), fontsize=8)  # fmt: skip
+                axes.annotate(runs[0].detail, (epsilon, 100 * mean), textcoords="offset points",
+                              xytext=(4, -12), fontsize=7)  # fmt: skip
     axes.set_xscale("log", base=2)
     axes.set_xticks(args.epsilons, [f"{e:g}" for e in args.epsilons])
     axes.set_xlabel(f"epsilon (delta = {args.delta:g})")
@@ -189,9 +208,11 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     steps_per_run = args.epochs * max(1, round(num_train / args.batch_size))  # Poisson: round(1 / q) per epoch
     print(
         f"digits: {num_train} training examples; batch {args.batch_size}, {args.epochs} epochs = {steps_per_run} "
-        f"steps per run; {len(args.epsilons)} epsilons x {len(args.seeds)} seeds x 2 mechanisms"
+        f"steps per run; {len(args.epsilons)} epsilons x {len(args.seeds)} seeds x {len(mechanisms_run(args))} "
+        "mechanisms"
     )
-    runs = [(epsilon, seed, mechanism) for epsilon in args.epsilons for seed in args.seeds for mechanism in MECHANISMS]
+    runs = [(epsilon, seed, mechanism) for epsilon in args.epsilons for seed in args.seeds
+            for mechanism in mechanisms_run(args)]  # fmt: skip
     results = []
     with tqdm(total=len(runs) * steps_per_run, unit="step", mininterval=0.5) as progress:
         for epsilon, seed, mechanism in runs:

@@ -8,6 +8,8 @@ of the package.
 * ``tickets.py``: ``BatchTicket`` (a draw, or rows of one), tagging tensors with it (``tag_batch``,
   ``move_to``), finding it again on views and copies (``find_ticket``, ``row_runs``), and the queue of
   a loader's yielded batches (``TicketQueue``).
+* ``users.py``: user-level privacy's users: the user of every example (``user_assignment``) and which
+  of a sampled user's examples a step holds (``UserCycles``, cycling as JAX Privacy does).
 """
 
 from privacy_engine.batches.tickets import BatchTicket, move_to

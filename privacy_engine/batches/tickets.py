@@ -75,7 +75,8 @@ class BatchTicket:
     ``size``: entries in the batch, padding included. ``part``: ``(start, end)`` rows of the drawn
     batch that this slice holds; None for all of it. ``origin``: the loader that drew it.
     ``refusal``: for a batch no loader drew, why the engine could not tie it to a draw (said when a
-    step would release it).
+    step would release it). ``users``: for a user-level draw (``privacy_unit="user"``), the user slot
+    (``0..users-1``) of every row of the whole draw, one user's rows consecutive; None for examples.
     """
 
     loader_step: int | None
@@ -86,6 +87,7 @@ class BatchTicket:
     draw: Any = field(default=None, repr=False)  # identity of the whole draw (shared by its slices)
     origin: LoaderOrigin | None = field(default=None, repr=False)
     refusal: str = ""
+    users: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.draw is None:
@@ -116,7 +118,7 @@ class BatchTicket:
             raise ValueError(f"slice [{start}, {end}) is outside a batch of {last - first} rows")
         return BatchTicket(
             loader_step=self.loader_step, size=self.size, group=self.group, padding_mask=self.padding_mask,
-            part=(first + start, first + end), draw=self.draw, origin=self.origin,
+            part=(first + start, first + end), draw=self.draw, origin=self.origin, users=self.users,
         )  # fmt: skip
 
     def whole(self) -> BatchTicket:
@@ -124,7 +126,8 @@ class BatchTicket:
         if self.part is None:
             return self
         return BatchTicket(loader_step=self.loader_step, size=self.size, group=self.group,
-                           padding_mask=self.padding_mask, draw=self.draw, origin=self.origin)  # fmt: skip
+                           padding_mask=self.padding_mask, draw=self.draw, origin=self.origin,
+                           users=self.users)  # fmt: skip
 
     def mask(self) -> torch.Tensor | None:
         """The padding mask of the rows this ticket holds (None: no padding)."""
@@ -132,6 +135,13 @@ class BatchTicket:
             return None
         start, end = self.rows
         return self.padding_mask[start:end]
+
+    def user_rows(self) -> torch.Tensor | None:
+        """The user slot of each row this ticket holds (None: an example-level batch)."""
+        if self.users is None:
+            return None
+        start, end = self.rows
+        return self.users[start:end]
 
     def same_rows(self, other: BatchTicket | None) -> bool:
         """Whether ``other`` holds exactly the same rows of the same draw (False for None). Compares the
@@ -141,6 +151,10 @@ class BatchTicket:
     def differs_in_effect(self, other: BatchTicket) -> bool:
         """Whether using one for the other would change the release (padding or group)."""
         if self.group != other.group:
+            return True
+        if (self.users is None) != (other.users is None) or (
+            self.users is not None and not torch.equal(self.user_rows(), other.user_rows())
+        ):
             return True
         if (self.padding_mask is None) != (other.padding_mask is None):
             return True

@@ -6,12 +6,17 @@ Kept apart from the wrappers so that each imports it and none imports another fo
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from privacy_engine.capture.patched_forward import PatchedForward
 
 __all__ = [
     "HOOKED_MODULES",
@@ -19,6 +24,7 @@ __all__ = [
     "ContractedWrapper",
     "ParameterUsageError",
     "WrappedModuleAccess",
+    "forward_with_model_signature",
     "per_sample_gradients",
     "strip_wrapper_prefix",
 ]
@@ -60,6 +66,58 @@ def strip_wrapper_prefix(state_dict, module: nn.Module):
 def per_sample_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Name -> ``grad_sample`` for every parameter that has one (a convenience for inspection)."""
     return {n: p.grad_sample for n, p in model.named_parameters() if getattr(p, "grad_sample", None) is not None}
+
+
+class _BoundForward:
+    """A wrapper's forward bound to the wrapper, whose ``__signature__`` is the wrapped model's forward
+    signature (what ``inspect.signature(wrapper.forward)`` reports)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function: Callable, wrapper: nn.Module) -> None:
+        self.__func__ = function
+        self.__self__ = wrapper
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        own = inspect.signature(functools.partial(self.__func__, self.__self__))
+        model = self.__self__.__dict__.get("_modules", {}).get("_module")
+        if model is None:
+            return own
+        forward = model.forward
+        if isinstance(forward, PatchedForward):  # the whole model through the fallback: its own forward's
+            forward = forward.original
+        try:
+            return inspect.signature(forward)
+        except (TypeError, ValueError):  # a forward inspect cannot read: the wrapper's own
+            return own
+
+    @property
+    def __name__(self) -> str:
+        return self.__func__.__name__
+
+    def __repr__(self) -> str:
+        return f"<bound forward of {type(self.__self__).__name__} wrapping {self.__signature__}>"
+
+
+class forward_with_model_signature:  # a decorator, lower case like ``property``
+    """Decorator of a wrapper's ``forward(self, *args, **kwargs)``: on an instance, ``wrapper.forward``
+    reports the wrapped model's forward signature (``inspect.signature``), so that tools that keep only
+    the inputs a model's forward accepts (Hugging Face ``Trainer`` drops the other dataset columns) see
+    the model's parameters instead of ``*args, **kwargs``. Calls are unchanged; on the class it is the
+    plain function."""
+
+    def __init__(self, function: Callable) -> None:
+        self._function = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self._function
+        return _BoundForward(self._function, instance)
 
 
 class ContractedWrapper(Protocol):

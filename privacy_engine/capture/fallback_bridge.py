@@ -6,7 +6,7 @@ are added like the hooks' ones. The replacement claims the module's whole subtre
 ``FallbackBridge`` is a mixin of ``GradSampleModule``; ``GhostClippingModule`` overrides
 ``_fallback_call`` (stand-in parameters, so that ``.grad`` is never written). It writes
 ``_flags.inside_fallback`` (around the ``vmap`` forward) and the patched modules in ``_tables``
-(``patched``, ``instance_forwards``); it reads ``_batch_dim``, ``loss_reduction``, ``_generation`` and
+(``patched``, ``instance_forwards``); it reads the module's batch dim (``_layer_dim``), ``loss_reduction``, ``_generation`` and
 ``_batch_sizes``, and hands per-sample gradients to ``_accumulate`` (``hooks.py``). Under activation
 checkpointing (``capture.recompute``, ``_recompute_kind``) a reentrant recomputation runs the fallback as a
 forward (after ``_prepare_recompute_pass``), a non-reentrant one reruns it and keeps nothing.
@@ -44,7 +44,7 @@ class FallbackBridge:
             output = original(*args, **kwargs)
             if self.training and not self._flags.inside_fallback:
                 first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
-                self._note_batch_without_grad(first)
+                self._note_batch_without_grad(first, path)
             return output
         if patched.derived is None:
             patched.derived = list(module.named_parameters())
@@ -82,7 +82,7 @@ class FallbackBridge:
                 args,
                 kwargs,
                 params=params,
-                batch_dim=self._batch_dim,
+                batch_dim=self._layer_dim(path),
                 module_path=path,
                 on_per_sample_grad=on_per_sample_grad,
             )
@@ -105,7 +105,7 @@ class FallbackBridge:
             return
         # An attention module has its own layout (a sequence-first attention may sit in a batch-first
         # model); its first output is laid out like its query.
-        output_batch_dim = self._batch_dim
+        output_batch_dim = self._layer_dim(path)
         if type(module) is nn.MultiheadAttention:
             output_batch_dim = 0 if module.batch_first else 1
         if self._note_batch_size(path, first.shape[output_batch_dim]) is not None:

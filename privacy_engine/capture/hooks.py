@@ -3,7 +3,7 @@ its (detached) inputs and puts a gradient hook on its output; when the output gr
 sampler turns inputs and output gradient into per-sample gradients, which are added to
 ``param.grad_sample`` and the inputs dropped.
 
-``LayerHooks`` is a mixin of ``GradSampleModule``. It reads ``_batch_dim``, ``loss_reduction``,
+``LayerHooks`` is a mixin of ``GradSampleModule``. It reads each layer's batch dim (``_layer_dim``), ``loss_reduction``,
 ``_tables.param_names`` (error messages) and ``_usage.phase``; it feeds the usage check while armed
 (``_record_term_scales``, ``_record_for_usage_check``), the batch-size bookkeeping (``_note_batch_size``)
 and the step binding (reads ``_generation`` and ``_consumer``, calls ``_check_live``; when bound, sets
@@ -36,18 +36,19 @@ class LayerHooks:
         # (BatchNorm with frozen statistics, trainable affine) still needs its per-sample gradients.
         if not (self.training and torch.is_grad_enabled()):
             if self.training:
-                self._note_batch_without_grad(output)
+                self._note_batch_without_grad(output, path)
             return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
         if not any(p.requires_grad for p in layer.parameters(recurse=False)):
             return None
         recompute = self._check_called_through_wrapper(path)
-        broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+        dim = self._layer_dim(path)
+        broadcast_to = self._note_batch_size(path, output.shape[dim])
         if recompute == NON_REENTRANT:
             # Backward runs through the first forward's graph and hooks: hand back the same output,
             # capture nothing (capture.recompute).
-            return self._replayed_output(output, broadcast_to)
+            return self._replayed_output(output, broadcast_to, dim)
         if recompute == REENTRANT:
             self._prepare_recompute_pass()
         if kwargs:
@@ -70,6 +71,7 @@ class LayerHooks:
                     f"for each backward."
                 )
             held[0] = None  # free the inputs as soon as their backward has run
+            backprops, activations = self._batch_first(backprops, activations, dim)
             if self._usage.phase == "armed":
                 self._record_term_scales(layer, activations, backprops)
             self._layer_backward(path, layer, sampler, activations, backprops)
@@ -78,7 +80,7 @@ class LayerHooks:
             # Shared by every example: handed on expanded (a view, no copy) so that each example's
             # output gradient arrives separately. An expanded tensor cannot be modified in place, so
             # the hook on it cannot be lost.
-            output = expand_batch(output, self._batch_dim, broadcast_to)
+            output = expand_batch(output, dim, broadcast_to)
             output.register_hook(on_output_grad)
             return output
         hooked, reshape_to = output, None
@@ -97,12 +99,12 @@ class LayerHooks:
             hooked.register_hook(lambda grad: on_output_grad(grad.view(reshape_to)))
         return output
 
-    def _replayed_output(self, output: torch.Tensor, broadcast_to: int | None) -> torch.Tensor | None:
+    def _replayed_output(self, output: torch.Tensor, broadcast_to: int | None, dim: int) -> torch.Tensor | None:
         """What ``_capture`` hands back for ``output``, without capturing anything: a non-reentrant
         checkpoint's recomputation must save the same tensors as its first forward (torch checks their
         shapes), so the output is expanded or copied exactly as ``_capture`` did then."""
         if broadcast_to is not None:
-            return expand_batch(output, self._batch_dim, broadcast_to)
+            return expand_batch(output, dim, broadcast_to)
         base = output._base
         if base is not None and not (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()):
             return output.clone()
@@ -120,7 +122,7 @@ class LayerHooks:
             self._queue_usage_check_end()
 
     def _layer_backward(self, path: str, layer: nn.Module, sampler: GradSampler, activations, backprops) -> None:
-        backprops, activations = self._batch_first(backprops, activations)
+        # activations and backprops batch-first (``_batch_first``)
         batch_size = backprops.shape[0]
         if self.loss_reduction == "mean":
             backprops = backprops * batch_size

@@ -23,7 +23,7 @@ wrapper (training mode, gradients on):
 - after that forward, until ``backward``: ``loss_coupling.LossCouplingMonitor`` on the outputs.
 
 What it uses of the wrapper (``after_training_forward``'s ``wrapper``): ``_forward_batch_size()``, the hooked
-module paths (``_tables.owner_paths``), whether Hugging Face loss hooks are installed (``_hf_losses``), the
+module paths (``_tables.owner_paths``) and their batch dims (``_tables.layer_batch_dims``), whether Hugging Face loss hooks are installed (``_hf_losses``), the
 bound optimizer (``bound_optimizer``), and ``_forward_replay()`` around the check's extra forwards (which puts
 back the wrapper's batch-size state and flags); it writes nothing on the wrapper.
 """
@@ -197,7 +197,8 @@ class IndependenceGuard:
             return leaf
 
         sub_args, sub_kwargs = tree_map(take_rows, (args, kwargs), is_leaf=lambda v: isinstance(v, PackedSequence))
-        probe = RowProbe(self.modules, dim, batch_size, rows, hooked=set(wrapper._tables.owner_paths.values()))
+        probe = RowProbe(self.modules, dim, batch_size, rows, hooked=set(wrapper._tables.owner_paths.values()),
+                         layer_dims=wrapper._tables.layer_batch_dims)  # fmt: skip
         devices = sorted({b.device.index for b in self.module.buffers() if b.is_cuda} | {p.device.index for p in self.module.parameters() if p.is_cuda})
         try:
             with (

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from privacy_engine.capture.common import WrappedModuleAccess
+from privacy_engine.capture.common import WrappedModuleAccess, forward_with_model_signature
 from privacy_engine.capture.module import GradSampleModule
 from privacy_engine.capture.step_binding import mark_wrapped_parameters, unmark_wrapped_parameters
 from privacy_engine.settings_checks import check_loss_reduction
@@ -70,6 +70,7 @@ class ManualGradSampleModule(WrappedModuleAccess, nn.Module):
         self._ticket = None  # the batch of the last training forward
         mark_wrapped_parameters(module, type(self).__name__)  # binds nothing: privacy_engine.connect_private does
 
+    @forward_with_model_signature
     def forward(self, *args, **kwargs):
         """Run the wrapped module's own forward (nothing captured). When bound to an optimizer, in training
         mode with gradients on, also record the batch this forward runs on (``StepContract.resolve``; the

@@ -34,10 +34,15 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from grad_samplers import grad_sampler_for, register_optional_samplers
+from grad_samplers import grad_sampler_for, is_per_sample_unit, register_optional_samplers
 from grad_samplers.registry import GradSampler
-from privacy_engine.capture.batch_size import BatchSizeTracking
-from privacy_engine.capture.common import HOOKED_MODULES, ParameterUsageError, WrappedModuleAccess
+from privacy_engine.capture.batch_size import BatchSizeTracking, declared_batch_dims
+from privacy_engine.capture.common import (
+    HOOKED_MODULES,
+    ParameterUsageError,
+    WrappedModuleAccess,
+    forward_with_model_signature,
+)
 from privacy_engine.capture.fallback_bridge import FallbackBridge
 from privacy_engine.capture.hooks import LayerHooks
 from privacy_engine.capture.independence import IndependenceGuard
@@ -109,7 +114,10 @@ class GradSampleModule(
 
     Args:
         module: the model. It is not copied; ``to_standard_module()`` gives it back unchanged.
-        batch_first: whether the batch is dim 0 (True) or dim 1 (False) of inputs and outputs.
+        batch_first: whether the batch is dim 0 (True) or dim 1 (False) of the inputs and outputs, and
+            of every layer not inside a module that declares its own layout (a boolean ``batch_first``
+            attribute, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``: the layers inside it are
+            read at dim 1 whatever this says; ``capture.batch_size.declared_batch_dims``).
         loss_reduction: ``"mean"`` if the loss averages over the batch (its 1/B is undone),
             ``"sum"`` if it sums.
         grad_sample_mode: only ``"hooks"``. Fast clipping (per-sample norms and the clipped sum inside
@@ -175,6 +183,7 @@ class GradSampleModule(
             self._tables.owner_paths.setdefault(param, "")
         try:
             plan, self._tables.unowned = self._plan(module, skip_root=bool(root_parameters))
+            self._tables.layer_batch_dims = declared_batch_dims(module, [path for path, _, _ in plan], self._batch_dim)
             for path, layer, sampler in plan:
                 self._attach(path, layer, sampler)
             self._tables.handles.append(module.register_forward_pre_hook(self._note_input_batch, with_kwargs=True))
@@ -197,13 +206,18 @@ class GradSampleModule(
         at each forward). A module without one owns them only if one is trainable: then the fallback
         differentiates its whole subtree; a module whose own parameters are all frozen is no fallback owner
         (its children are planned as usual) and its parameters are listed as unowned (refused at the
-        forward if unfrozen). ``skip_root``: the root's own parameters have their own path
+        forward if unfrozen). A registered per-sample unit (``grad_samplers.units``) with a trainable
+        parameter anywhere in its subtree goes to the fallback whole, whatever samplers its layers have. ``skip_root``: the root's own parameters have their own path
         (``capture.root_parameters``)."""
         register_optional_samplers()  # samplers for layers of libraries imported since (HF Conv1D)
         plan: list[tuple[str, nn.Module, GradSampler | None]] = []
         unowned: list[tuple[str, nn.Parameter]] = []
 
         def visit(path: str, module: nn.Module) -> None:
+            # One unit of the fallback (grad_samplers.units): its layers do not hold the examples at a dim.
+            if module is not root and is_per_sample_unit(module) and any(p.requires_grad for p in module.parameters()):
+                plan.append((path, module, None))
+                return
             own = list(module.named_parameters(recurse=False))
             sampler = grad_sampler_for(module)
             if own and not (skip_root and module is root):
@@ -269,6 +283,7 @@ class GradSampleModule(
         return self._module
 
     # ------------------------------------------------------------------ forward
+    @forward_with_model_signature
     def forward(self, *args, **kwargs):
         """Run the wrapped module with its per-sample gradient hooks, and return its output.
 

@@ -31,18 +31,28 @@ class RowProbe:
     Where the examples must sit: at dim 0 in a batch-first wrapper for the inputs and outputs of the layers
     the engine computes per-example gradients of (``hooked``: it reads the examples there), unless the layer
     declares its own layout (``batch_first``: ``nn.MultiheadAttention``, recurrent layers, which the engine
-    follows); anywhere for other modules (a container may work time-major internally), as long as one dim
-    holds them.
+    follows) or sits inside a module that declares one (``layer_dims``: the dim the engine reads for each
+    instrumented module, ``capture.batch_size.declared_batch_dims``); anywhere for other modules (a
+    container may work time-major internally), as long as one dim holds them.
+
+    An instrumented module whose output has the same shape for the sub-batch as for the full batch, with
+    the full batch's size at the dim the engine reads, does not hold the examples there (T5's relative
+    position bias ``(q_len, k_len, heads)`` when ``q_len`` equals the batch size): refused, since reading
+    that axis as the examples would clip positions instead of examples.
     """
 
-    def __init__(self, modules, batch_dim: int, batch_size: int, rows: torch.Tensor, hooked: set[str]) -> None:
+    def __init__(self, modules, batch_dim: int, batch_size: int, rows: torch.Tensor, hooked: set[str],
+                 layer_dims: dict[str, int] | None = None) -> None:  # fmt: skip
         self.modules = modules
         self.batch_dim = batch_dim
         self.batch_size = batch_size
         self.rows = rows
         # Batch-first wrappers only: with batch_first=False some layers still read dim 0 (cells, conv, embeddings).
+        layer_dims = layer_dims or {}
         self.fixed_dim = {
-            path: 0 for path, module in modules if batch_dim == 0 and path in hooked and _declares_layout(module) is None
+            path: layer_dims.get(path, 0)
+            for path, module in modules
+            if batch_dim == 0 and path in hooked and _declares_layout(module) is None
         }
         self.events: list[tuple[str, str, list]] = []
         self.position = 0
@@ -102,6 +112,10 @@ class RowProbe:
             return
         for full, (sub_shape, sub_prints) in zip(leaves, recorded):
             if tuple(full.shape) == sub_shape:
+                fixed = self.fixed_dim.get(path)
+                if kind == "output" and fixed is not None and full.dim() > fixed and full.shape[fixed] == self.batch_size:
+                    self._stop(_unbatched_output_problem(module_label(path, dict(self.modules).get(path)),
+                                                         tuple(full.shape), self.batch_size, len(self.rows), fixed))  # fmt: skip
                 continue  # not a tensor of the batch (a mask, position ids, a scalar)
             dim = self._examples_dim(tuple(full.shape), sub_shape, path)
             if dim is None:
@@ -200,6 +214,18 @@ def _shape_problem(kind, label, full_shape, sub_shape, batch_size, sub_rows, fix
         f"examples; a tensor built across the batch (batch x batch) mixes them too. Give every layer the examples "
         f"at the wrapper's batch dim (or use a layer that declares its layout, e.g. batch_first=True), and "
         f"compute each example from its own row."
+    )
+
+
+def _unbatched_output_problem(label, shape, batch_size, sub_rows, dim) -> str:
+    return (
+        f"the output of {label} does not hold the examples at dim {dim}, where the engine reads them for this "
+        f"layer: it has shape {shape} both for a batch of {batch_size} and for {sub_rows} of its examples, so "
+        f"its {shape[dim]} rows at dim {dim} are something else that happens to number {batch_size} (positions, "
+        f"heads: a layer whose output is shared by every example, like T5's relative position bias). Its "
+        f"per-example gradients cannot be read from its rows. Have the module that uses it for every example run "
+        f"as one unit of the torch.func fallback: grad_samplers.register_per_sample_unit(<that module's class>) "
+        f"before wrapping."
     )
 
 

@@ -51,6 +51,8 @@ class CaptureTables:
     ``instance_forwards``: the instance forwards they had before (put back at unwrapping).
     ``root_parameters``: the root's own parameters when they take the forward-mode path
     (``capture.root_parameters``). ``unowned``: frozen parameters no module owns (refused if unfrozen).
+    ``layer_batch_dims``: for each instrumented module's path, the dim of its input and output that holds
+    the examples (``capture.batch_size.declared_batch_dims``: the layout its nearest module declares).
     """
 
     param_names: dict[nn.Parameter, str]
@@ -61,6 +63,7 @@ class CaptureTables:
     instance_forwards: dict[nn.Module, object] = field(default_factory=dict)
     root_parameters: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     unowned: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    layer_batch_dims: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

@@ -172,7 +172,22 @@ class StepContractBinding:
         raise RuntimeError(
             f"{submodule_label(self._module, path)} ran a training forward (training mode, gradients on) "
             f"without going through its {type(self).__name__}: the wrapped model was called directly. Call the "
-            f"wrapper make_private returned (with Hugging Face Trainer, use "
-            f"privacy_engine.integrations.hf_trainer.DPTrainer, which also draws the batches the accountant "
-            f"records), or call model.eval() / torch.no_grad() for forwards that are not training steps."
+            f"wrapper make_private returned ({_framework_hint(self._module)}), or call model.eval() / "
+            f"torch.no_grad() for forwards that are not training steps."
         )
+
+
+def _framework_hint(module: nn.Module) -> str:
+    """What to use instead when a training framework calls the wrapped model itself."""
+    # Lightning calls training_step on the LightningModule, never the wrapper (Opacus's own Lightning example
+    # calls make_private inside configure_optimizers): name the integration that routes the step through it.
+    if any(cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning") for cls in type(module).__mro__):
+        return (
+            "with PyTorch Lightning, leave the LightningModule as it is, without make_private, and train with "
+            "Trainer(strategy=privacy_engine.integrations.lightning.DPStrategy(...)), which runs each training step "
+            "through the wrapper and draws the batches the accountant records"
+        )
+    return (
+        "with Hugging Face Trainer, use privacy_engine.integrations.hf_trainer.DPTrainer, which also draws the "
+        "batches the accountant records"
+    )

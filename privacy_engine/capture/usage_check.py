@@ -19,6 +19,7 @@ from torch import nn
 
 from grad_samplers import layer_sampler_for, norm_sampler_for
 from privacy_engine.capture.common import ParameterUsageError
+from privacy_engine.capture.compiled_code import stale_compilation_note
 from privacy_engine.models.validation import submodule_label
 
 __all__ = ["UsageCheck", "at_least_float32"]
@@ -86,7 +87,7 @@ class UsageCheck:
         normalisation) gives its own ``LayerSampler.term_scale``. Layers with neither, e.g. plugins' with only
         a grad sampler, get no term scale: their sampler is not run twice.
         """
-        backprops, activations = self._batch_first(backprops, activations)
+        # activations and backprops batch-first (``_batch_first``, called by the hook)
         if backprops.shape[0] == 0:
             return
         floating = [a for a in activations if isinstance(a, torch.Tensor) and a.is_floating_point()]
@@ -129,6 +130,7 @@ class UsageCheck:
                 f"gradient: it is used outside the forward of the module that owns it. Call the owning "
                 f"module instead of reading its parameter directly (or move the computation into a "
                 f"module that owns the parameter)."
+                + stale_compilation_note(self._module, self._tables.owner_paths.get(param))
             )
         # The least precise dtype the gradient went through: the parameter's, its per-sample
         # computation's, or autocast's (bf16/fp16 autocast computes in half precision what a float32
@@ -154,6 +156,7 @@ class UsageCheck:
                 f"parameter {name!r}: its gradient is not the sum of its per-sample gradients computed in "
                 f"{owner}: it is also used outside the forward of that module. Route every use through "
                 f"the owning module."
+                + stale_compilation_note(self._module, self._tables.owner_paths.get(param))
             )
 
     def _finish_usage_check(self) -> None:

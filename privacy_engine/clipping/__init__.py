@@ -11,6 +11,8 @@ file                   what it holds
 ``clipper.py``         ``PerSampleGradientClipper``: clips materialised per-sample
                        gradients and holds the clipped sum until the step
 ``per_sample_ops.py``  norms, non-finite entries and per-user sums of per-sample gradients
+``per_user.py``        ``user_group_ids``: which rows of a user-level pass are one user's
+                       (refuses a micro-batch that cuts a user)
 ``stats.py``           ``ClippingStats`` (diagnostics, not private)
 ``ghost/``             fast clipping, ``GhostClippingModule``: norms and the clipped sum
                        inside one backward pass (``module.py`` the wrapper, ``gate.py`` the

@@ -35,6 +35,17 @@ multiplier sigma, which sampling amplifies as one DP-SGD step (both parts are co
 sampled batch). So the accountant records the unchanged DP-SGD event at sigma. Needs ``2 sigma_b >
 sqrt(G) sigma``.
 
+The released scale (``rescale_to_unit_norm``, recommended with adaptive clipping): without it the released
+sum, and so the model's step at a fixed learning rate, is proportional to the clip norm in force: a clip norm
+far below the gradients' norms (a small start) takes tiny steps until it has grown, and one far above them
+(a large start, or a noisy model whose gradients grow) takes large noisy steps that keep the gradients, and
+so the tracked quantile, large. With ``rescale_to_unit_norm=True`` every clipped gradient is divided by the
+total bound in force at its step, the noise is drawn at ``sigma_delta`` (sensitivity 1), and the step's
+scale is set by the learning rate alone (the normalisation of De et al. 2022). The privacy argument above
+is unchanged: dividing the release by the public ``C_t`` is post-processing. On the digits tutorial
+(``tutorials/adaptive_clipping_digits.py``) this is what makes the result independent of the initial clip
+norm; the measured table is in that tutorial's docstring.
+
 With BandMF noise (``BandMFNoise.clip_norm_may_change``, set by the optimizer): step t releases ``(S_t +
 sigma_delta C_t ||c|| (C^-1 Z1)_t, B_t + sigma_b Z2_t)``, the history of BandMF kept in one scale and only
 row t multiplied by the clip norm ``C_t`` in force, which is public (a function of the initial norm and
@@ -53,7 +64,7 @@ sigma. The count's noise stays independent of BandMF's (its own generator).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -176,6 +187,8 @@ class AdaptiveClipping:
                 )
         self.options = options
         self.generator = generator
+        #: Gives the generator's seed at the first release (``seed_if_pending``); None: ``generator`` is seeded.
+        self.seed_at_first_draw: Callable[[], int] | None = None
         self.secure_mode = bool(secure_mode)
         self._clip_norms: tuple[float, ...] = norms
         self._count: torch.Tensor | None = None  # float64 (num_groups,), on the norms' device
@@ -230,6 +243,15 @@ class AdaptiveClipping:
         """Whether examples were counted since the last ``take_count`` / ``discard_count``."""
         return self._count is not None
 
+    def seed_if_pending(self) -> None:
+        """Seed the count's generator with ``seed_at_first_draw()`` if that is set (then forget it): a run whose
+        count noise is seeded from torch's global generator draws that seed at its first release, so
+        ``torch.manual_seed`` called after ``make_private`` makes the run repeat. ``DPOptimizer`` calls it
+        before it keeps the generator's state for a rollback."""
+        if self.seed_at_first_draw is not None:
+            self.generator.manual_seed(self.seed_at_first_draw())
+            self.seed_at_first_draw = None
+
     def noised_count(self, count: torch.Tensor) -> torch.Tensor:
         """``count + N(0, sigma_b^2)`` per group, the noise drawn from ``generator`` (float64, on the CPU,
         then moved to ``count``'s device). Advances the generator by one draw of ``num_groups`` normals
@@ -269,6 +291,7 @@ class AdaptiveClipping:
             "clip_norms": list(self._clip_norms),
             "count": None if self._count is None else self._count.detach().to("cpu").clone(),
             "generator": None if self.secure_mode else self.generator.get_state(),
+            **({"seed_pending": True} if self.seed_at_first_draw is not None else {}),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -299,6 +322,8 @@ class AdaptiveClipping:
         self._count = None if state["count"] is None else state["count"].to(torch.float64).clone()
         if not self.secure_mode:
             self.generator.set_state(state["generator"])
+            if state.get("seed_pending") is not True:
+                self.seed_at_first_draw = None  # saved after the first draw: the saved state is the stream
 
     def __repr__(self) -> str:
         return f"AdaptiveClipping(clip_norms={list(self._clip_norms)}, options={self.options})"

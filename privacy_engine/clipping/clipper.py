@@ -114,13 +114,14 @@ class PerSampleGradientClipper:
         self._group_of: dict[int, int] = {id(p): g for g, group in enumerate(self.groups) for p in group}
         self._configured_bounds: tuple[float, ...] = self.config.group_bounds(len(self.groups))
         self._configured_total_bound: float = math.sqrt(sum(b * b for b in self._configured_bounds))
+        #: Bounds set by a clip-norm schedule (``set_bounds``), in force instead of the configured ones; None: none.
+        self._scheduled_bounds: tuple[float, ...] | None = None
         #: Adaptive clipping (``privacy_engine.clipping.adaptive``): the owner of the bounds in force; None: fixed.
         self.adaptive: AdaptiveClipping | None = adaptive
-        if adaptive is not None:
-            if adaptive.num_groups != len(self.groups):
-                raise ValueError(f"adaptive has {adaptive.num_groups} clip norms; the clipper has {len(self.groups)} groups")
-            if rescale_to_unit_norm:
-                raise ValueError("rescale_to_unit_norm with adaptive clipping: the bound changes every step; use one or the other")
+        # rescale_to_unit_norm with adaptive clipping divides by the total bound in force at each call (public: set
+        # from earlier released counts), so the release's scale no longer follows the clip norm.
+        if adaptive is not None and adaptive.num_groups != len(self.groups):
+            raise ValueError(f"adaptive has {adaptive.num_groups} clip norms; the clipper has {len(self.groups)} groups")
         self._accumulated: dict[int, torch.Tensor] = {}  # param index -> clipped sum
         self._totals: torch.Tensor | None = None  # see ClippingStats.totals (restored from a state_dict)
         # (norms, padding mask) of each call since the last pre_step: the statistics are computed from them
@@ -149,14 +150,30 @@ class PerSampleGradientClipper:
     @property
     def bounds(self) -> tuple[float, ...]:
         """The bound in force for each group: ``max_grad_norm``'s, or adaptive clipping's current clip norms."""
-        return self._configured_bounds if self.adaptive is None else self.adaptive.clip_norms
+        if self.adaptive is not None:
+            return self.adaptive.clip_norms
+        return self._configured_bounds if self._scheduled_bounds is None else self._scheduled_bounds
+
+    def set_bounds(self, bounds: Sequence[float]) -> None:
+        """Clip at ``bounds`` (one per group, each >= 0) from the next clipping call on: a clip-norm schedule
+        (``training.schedules``). Guarantee: every example clipped after the call has group norms at most these
+        bounds. ``ValueError`` (nothing changed) with adaptive clipping (it owns the bounds), a clipped sum
+        waiting (clipped at the old bounds), or a wrong count / negative / NaN bound."""
+        bounds = tuple(float(b) for b in bounds)
+        if len(bounds) != len(self.groups) or any(not b >= 0.0 for b in bounds):
+            raise ValueError(f"bounds must be {len(self.groups)} numbers >= 0 (one per group); got {list(bounds)}")
+        if self.adaptive is not None:
+            raise ValueError("set_bounds with adaptive clipping: the clip norms in force are adaptive clipping's")
+        if self.has_accumulated and bounds != self.bounds:
+            raise ValueError("set_bounds while a clipped sum waits for the release (clipped at the old bounds)")
+        self._scheduled_bounds = None if bounds == self._configured_bounds else bounds
 
     @property
     def total_bound(self) -> float:
         """``sqrt(sum_g bound_g^2)``: the L2 bound of one example's whole clipped gradient, now."""
-        if self.adaptive is None:
+        if self.adaptive is None and self._scheduled_bounds is None:
             return self._configured_total_bound
-        return math.sqrt(sum(b * b for b in self.adaptive.clip_norms))
+        return math.sqrt(sum(b * b for b in self.bounds))
 
     @property
     def sensitivity(self) -> float:
@@ -424,6 +441,8 @@ class PerSampleGradientClipper:
         }
         if self.adaptive is not None:
             state["adaptive"] = self.adaptive.state_dict()  # the bounds in force and the open count
+        if self._scheduled_bounds is not None:
+            state["bounds_in_force"] = list(self._scheduled_bounds)  # set by a clip-norm schedule
         return state
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -439,6 +458,13 @@ class PerSampleGradientClipper:
                              else "clipper state was saved without adaptive clipping; this clipper has it")  # fmt: skip
         if self.adaptive is not None:
             self.adaptive.check_state_dict(state["adaptive"])
+        in_force = state.get("bounds_in_force")
+        if in_force is not None:
+            if (not isinstance(in_force, (list, tuple)) or len(in_force) != len(self.groups)
+                    or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0.0 for b in in_force)):  # fmt: skip
+                raise ValueError(f"clipper state's bounds_in_force must be {len(self.groups)} numbers >= 0")
+            if self.adaptive is not None:
+                raise ValueError("clipper state has scheduled bounds and adaptive clipping (it was altered)")
         accumulated = dict(state["accumulated"])
         for index, total in accumulated.items():
             if not (0 <= int(index) < len(self.params)) or tuple(total.shape) != tuple(self.params[int(index)].shape):
@@ -452,6 +478,7 @@ class PerSampleGradientClipper:
         self._stat_batches = []
         if self.adaptive is not None:
             self.adaptive.load_state_dict(state["adaptive"])
+        self._scheduled_bounds = None if in_force is None else tuple(float(b) for b in in_force)
 
     # ------------------------------------------------------------------ internals
     @staticmethod

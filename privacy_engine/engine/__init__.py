@@ -11,8 +11,10 @@ privacy ledger::
 The keywords are those Opacus uses for the same settings (``module=``, ``data_loader=``,
 ``grad_sample_mode=``, ``noise_generator=``, ...), so a script written for Opacus switches by changing
 its import. BandMF:
-``noise_mechanism="bandmf"`` (with ``num_bands=b``, or none to let the engine choose;
-``max_batch_size=`` for fixed-shape, truncated batches); ``engine.noise_plan`` says what was set up.
+``noise_mechanism="bandmf"`` (with ``num_bands=b``, or, with ``make_private_with_epsilon``, none to let the
+engine choose; ``max_batch_size=`` for fixed-shape, truncated batches); ``noise_mechanism="blt"`` (BLT noise,
+``num_buffers=``); ``make_private_with_epsilon(noise_mechanism="auto")`` picks among DP-SGD, BandMF and BLT
+(``mechanism_choice``); ``engine.noise_plan`` says what was set up.
 
 The modules, in the order of a ``make_private`` call:
 

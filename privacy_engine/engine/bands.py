@@ -1,11 +1,11 @@
 """BandMF in the plan: the number of bands (given, or chosen among ``CANDIDATE_NUM_BANDS``), the
 strategy coefficients, and the checks that the loader can feed b cyclic groups.
 
-The automatic choice compares, for every b the loader allows, the expected squared error of the
-noisy prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2``: sigma_b is the given noise
-multiplier (``make_private``: the largest strategy gain wins; at a fixed sigma more bands mean less
-amplification and a larger epsilon) or the one calibrated for b's own mechanism at the target
-(``make_private_with_epsilon``: b compared at a fixed budget). The choice is logged (INFO).
+The automatic choice (``make_private_with_epsilon`` without ``num_bands``) compares, for every b the loader
+allows, the expected squared error of the noisy prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2``,
+sigma_b calibrated for b's own mechanism at the target (b compared at a fixed budget). The choice is logged
+(INFO). ``make_private`` (a given sigma) needs ``num_bands``: at one sigma more bands always give less error
+while each costs more epsilon, so there is no fair choice there.
 """
 
 from __future__ import annotations
@@ -76,6 +76,13 @@ def plan_bandmf(options: PrivacyOptions, shape: LoaderShape, *, accountant: Acco
     if coefficients is None and num_bands is not None and steps < num_bands:
         raise ValueError(f"total_steps={steps} is smaller than num_bands={num_bands}: use num_bands <= total_steps")
     candidates: tuple[BandCandidate, ...] = ()
+    if num_bands is None and options.target is None:
+        raise ValueError(
+            "noise_mechanism='bandmf' with a given noise_multiplier needs num_bands: at one sigma more bands always "
+            "give less error but each costs more epsilon (fewer cyclic groups, less amplification), so no choice is "
+            "fair. Give num_bands=b, or use make_private_with_epsilon, which compares the band counts at equal "
+            "epsilon (noise_mechanism='bandmf' without num_bands, or noise_mechanism='auto')"
+        )
     if num_bands is None:
         allowed = [
             b for b in CANDIDATE_NUM_BANDS

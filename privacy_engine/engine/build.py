@@ -80,6 +80,10 @@ def private_optimizer(plan: Plan, *, accountant: Accountant, secure_mode: bool, 
     elif canaries is not None:
         # Scored after the noise, from what is released (a public step hook: it sees nothing un-noised).
         optimizer.attach_step_hook(canaries.score_release)
+    if options.privacy_unit == "user":
+        # Its passes are clipped per user from each batch's ticket; per-sample gradients no user-level batch
+        # explains are refused (DPOptimizer.clip_and_accumulate).
+        optimizer.privacy_unit = "user"
     if not sampled:
         # The loader's own fixed-size batches: a release of k of them is k disjoint draws of one epoch.
         optimizer.shuffled_batches = ShuffledBatches(batch_size=int(loader.batch_size), batches_per_epoch=len(loader))

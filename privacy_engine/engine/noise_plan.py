@@ -13,7 +13,7 @@ from typing import Any
 
 from accountants.events import EventSpec
 
-__all__ = ["BandCandidate", "LoaderShape", "NoiseChoice", "NoisePlan"]
+__all__ = ["BandCandidate", "LoaderShape", "MechanismCandidate", "NoiseChoice", "NoisePlan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,10 +34,44 @@ class BandCandidate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MechanismCandidate:
+    """One mechanism compared by ``noise_mechanism="auto"`` (``engine.mechanism_choice``), calibrated to the
+    target on a coarse grid.
+
+    ``mechanism``: ``"gaussian"``, ``"bandmf"`` (``num_bands`` bands) or ``"blt"`` (``num_buffers`` buffers,
+    cyclic sampling over ``num_bands`` groups). ``expected_error``: the mean expected squared error per
+    coordinate of the noisy prefix sums over the planned steps, in units of ``max_grad_norm**2`` (``inf`` if
+    the target is out of reach). ``noise_memory_bytes``: the noise state held, in bytes (DP-SGD: the draw;
+    BandMF: the draw and ``b - 1`` past rows; BLT: the draw and ``d`` buffers). ``chosen``: the one picked;
+    ``fits_memory``: within ``max_noise_memory``.
+    """
+
+    mechanism: str
+    num_bands: int
+    num_buffers: int | None
+    noise_multiplier: float
+    expected_error: float
+    noise_memory_bytes: int
+    chosen: bool = False
+    fits_memory: bool = True
+
+    @property
+    def label(self) -> str:
+        """``gaussian``, ``bandmf(b=4)`` or ``blt(d=4, b=8)``."""
+        if self.mechanism == "bandmf":
+            return f"bandmf(b={self.num_bands})"
+        if self.mechanism == "blt":
+            return f"blt(d={self.num_buffers}, b={self.num_bands})"
+        return self.mechanism
+
+
+@dataclass(frozen=True, kw_only=True)
 class NoisePlan:
     """What ``make_private`` set up for the noise and the accounting (``engine.noise_plan``).
 
-    ``mechanism``: ``"gaussian"``, ``"bandmf"`` or ``"custom"`` (a ``NoiseMechanism`` passed in).
+    ``mechanism``: ``"gaussian"``, ``"bandmf"``, ``"blt"`` or ``"custom"`` (a ``NoiseMechanism`` passed in).
+    ``num_buffers``: BLT's buffers (None otherwise; its ``num_bands`` is the cyclic groups, the min separation).
+    ``mechanism_candidates``: what ``noise_mechanism="auto"`` compared (empty otherwise).
     ``coefficients``: the BandMF strategy ``(c_0, ..., c_{b-1})``, None otherwise.
     ``total_steps``: the steps the strategy was optimised for / the noise calibrated over (None
     when neither applies). ``group_size`` and ``max_batch_size``: truncated sampling (the realised
@@ -55,6 +89,8 @@ class NoisePlan:
     group_size: int | None = None
     max_batch_size: int | None = None
     candidates: tuple[BandCandidate, ...] = ()
+    num_buffers: int | None = None
+    mechanism_candidates: tuple[MechanismCandidate, ...] = ()
 
     @property
     def num_bands_chosen_automatically(self) -> bool:
@@ -76,6 +112,10 @@ class NoiseChoice:
     candidates: tuple[BandCandidate, ...] = ()
     #: The privacy event the mechanism states (a custom mechanism's own); None: DP-SGD over ``num_bands``.
     stated_event: EventSpec | None = None
+    #: BLT's buffers (None for the others).
+    num_buffers: int | None = None
+    #: The mechanisms ``noise_mechanism="auto"`` compared (empty otherwise).
+    mechanism_candidates: tuple[MechanismCandidate, ...] = ()
 
     @property
     def event(self) -> EventSpec:

@@ -28,6 +28,7 @@ from privacy_engine.clipping import AdaptiveClippingOptions
 from privacy_engine.engine.budget import PrivacyBudget, budget_from
 from privacy_engine.engine.limits import check_bandmf_size, check_target_epsilon
 from privacy_engine.noise import NoiseMechanism
+from privacy_engine.noise.blt import MAX_NUM_BUFFERS
 from privacy_engine.noise.strategy import validated_coefficients
 from privacy_engine.settings_checks import (
     check_clipping,
@@ -41,6 +42,7 @@ from privacy_engine.settings_checks import (
     check_noise_multiplier,
     check_noise_seed,
     check_noise_std,
+    check_privacy_unit,
     check_rescale_to_unit_norm,
     check_target_delta,
     total_bound,
@@ -65,7 +67,7 @@ __all__ = [
 #: "prv" (a privacy-random-variable accountant, numerical like PLD, computing the same epsilon of the
 #: composed sampled Gaussian) is read as dp-accounting's PLD accountant.
 ACCOUNTANT_ALIASES = {"pld": "pld", "prv": "pld", "rdp": "rdp"}
-NOISE_MECHANISMS = ("gaussian", "bandmf")
+NOISE_MECHANISMS = ("gaussian", "bandmf", "blt", "auto")
 #: Adaptive clipping's options (``AdaptiveClippingOptions``' fields), Opacus's names.
 _ADAPTIVE_OPTIONS = (
     "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound", "min_clipbound", "unclipped_num_std",
@@ -128,7 +130,8 @@ class PrivacyOptions:
         clipping: ``"flat"`` or ``"per_layer"``; ``"adaptive"`` / ``"per_layer_adaptive"``: the same, with
             adaptive clipping (Andrew et al. 2021, ``privacy_engine.clipping.adaptive``): ``max_grad_norm`` is
             the initial clip norm (per layer: norms), each then tracking ``target_unclipped_quantile`` of the
-            per-example norms; needs the five options below.
+            per-example norms; needs the five options below. Recommended with ``rescale_to_unit_norm=True``
+            (the release divided by the clip norm in force, so the model's step does not scale with it).
         target_unclipped_quantile, clipbound_learning_rate, max_clipbound, min_clipbound, unclipped_num_std:
             adaptive clipping's options (``AdaptiveClippingOptions``, as Opacus's ``AdaClipDPOptimizer``),
             all required with an adaptive ``clipping`` and refused without. The gradient is noised at
@@ -148,13 +151,23 @@ class PrivacyOptions:
             computes them differently). ``"no_op"``: the loop computes the per-sample gradients itself
             and sets ``p.grad_sample`` (``ManualGradSampleModule``).
         noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
-            Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), or a
-            ready ``NoiseMechanism``.
+            Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), ``"blt"``
+            (buffered-linear-Toeplitz noise, ``noise.blt``: ``num_buffers`` buffers per parameter, cyclic
+            sampling over ``num_bands`` groups, accounted without amplification), ``"auto"``
+            (``make_private_with_epsilon`` only: DP-SGD, BandMF and BLT each calibrated to the target, the
+            lowest expected error of the noisy prefix sums wins, ``engine.mechanism_choice``), or a ready
+            ``NoiseMechanism``.
         num_bands: BandMF bands b (1 is DP-SGD), at most the steps per epoch (``round(len(dataset) /
-            batch_size)``) and at most ``len(dataset) // batch_size``. ``None``: chosen among
-            ``CANDIDATE_NUM_BANDS`` that the loader allows, by the expected squared error of the noisy
-            prefix sums, ``strategy_loss(c_b, total_steps) * sigma_b^2`` (``engine.bands``); logged
-            (INFO) and kept in ``engine.noise_plan``.
+            batch_size)``) and at most ``len(dataset) // batch_size``. ``None``: with
+            ``make_private_with_epsilon``, chosen among ``CANDIDATE_NUM_BANDS`` that the loader allows, each
+            b calibrated to the target, by the expected squared error of the noisy prefix sums,
+            ``strategy_loss(c_b, total_steps) * sigma_b^2`` (``engine.bands``); logged (INFO) and kept in
+            ``engine.noise_plan``. ``make_private`` (a given sigma) needs it: at one sigma more bands always
+            look better while each costs more epsilon, so there is no fair choice. With ``"blt"``: the
+            cyclic groups (the min separation of an example's steps; default the most the loader allows).
+        num_buffers: BLT's buffers per parameter (default ``mechanism_choice.DEFAULT_NUM_BUFFERS``).
+        max_noise_memory: with ``"auto"``: the most bytes of noise state the chosen mechanism may hold
+            (rows of the trainable parameters' size: DP-SGD 1, BandMF b, BLT d + 1).
         bandmf_coefficients: the strategy ``(c_0, ..., c_{b-1})``, ``c_0 > 0``; default: the optimal
             b-banded Toeplitz strategy for ``total_steps`` steps.
         total_steps: the number of steps the run will take (the strategy is optimised for it; more
@@ -173,6 +186,28 @@ class PrivacyOptions:
             sample rate and accounting are those of the enlarged dataset; no DDP); ``None``: none. Needs
             Poisson sampling (``poisson_sampling=True``) and no ``max_batch_size``: only there does a
             canary take part exactly as an example does.
+        privacy_unit: ``"example"`` (default: neighbouring datasets differ by one example) or ``"user"``
+            (user-level DP: they differ by one user, all of its examples; ``training.user_sampling``). With
+            ``"user"``, each step Poisson-samples users at ``q = loader.batch_size / users`` (the loader's
+            batch size is the expected number of *users* per batch, and an epoch is ``round(users /
+            batch_size)`` steps), each sampled user contributes ``examples_per_user`` rows, the sum of one
+            user's per-example gradients (each the gradient of that example's own loss, as for examples
+            with either ``loss_reduction``) is clipped to ``max_grad_norm`` once, the noisy sum is divided
+            by the expected users per batch (``"mean"``), and each step is accounted as DP-SGD at rate
+            ``q`` over users (BandMF, BLT and "auto": cyclic Poisson sampling over ``num_bands`` groups of
+            users, the mechanism's event with the user as the unit). Hooks, functorch and no_op modes; refused
+            (with why) with ghost mode, DDP, ``max_batch_size``, ``poisson_sampling=False``, adaptive clipping
+            and input canaries.
+            ``VirtualSteps`` cuts a logical batch between users only (micro-batches of a multiple of
+            ``examples_per_user`` rows), so each user is still clipped once.
+        user_ids: with ``privacy_unit="user"`` (required there, refused otherwise): the user of every
+            example, a sequence aligned with the dataset (``user_ids[i]`` is example ``i``'s user) or a
+            function of the dataset index; ids are ints or strs.
+        examples_per_user: with ``privacy_unit="user"``: the rows k each sampled user contributes per step
+            (default 1): its next k examples, cycling through them (JAX Privacy's
+            ``UserSelectionStrategy``; a user owning fewer than k repeats some).
+        shuffle_user_examples: with ``privacy_unit="user"``: cycle through each user's examples in one
+            random order drawn at the start (default False: increasing dataset index).
     """
 
     max_grad_norm: float | Sequence[float]
@@ -191,6 +226,8 @@ class PrivacyOptions:
     noise_mechanism: str | NoiseMechanism = "gaussian"
     num_bands: int | None = None
     bandmf_coefficients: Sequence[float] | None = None
+    num_buffers: int | None = None
+    max_noise_memory: int | None = None
     total_steps: int | None = None
     max_batch_size: int | None = None
     nan_safe: bool = True
@@ -202,6 +239,10 @@ class PrivacyOptions:
     max_clipbound: float | None = None
     min_clipbound: float | None = None
     unclipped_num_std: float | None = None
+    privacy_unit: str = "example"
+    user_ids: Sequence[Any] | Callable[[int], Any] | None = dataclasses.field(default=None, repr=False)  # one per example
+    examples_per_user: int | None = None
+    shuffle_user_examples: bool = False
 
     def __post_init__(self) -> None:
         self._check_target_and_budget()
@@ -213,6 +254,7 @@ class PrivacyOptions:
         self._check_noise_mechanism()
         self._check_max_batch_size()
         self._check_audit()
+        self._check_privacy_unit()
         self.performance  # noqa: B018  (PerformanceFlags checks grad_sample_mode and grad_scaler)
 
     # ------------------------------------------------------------------ derived settings
@@ -231,7 +273,7 @@ class PrivacyOptions:
         """BandMF by name, or a ready mechanism with more than one band (cyclic Poisson sampling)."""
         if isinstance(self.noise_mechanism, NoiseMechanism):
             return self.noise_mechanism.privacy_event().num_bands > 1
-        return self.noise_mechanism == "bandmf"
+        return self.noise_mechanism in ("bandmf", "blt", "auto")  # cyclic sampling (BLT, "auto": may be)
 
     @property
     def performance(self) -> PerformanceFlags:
@@ -334,11 +376,53 @@ class PrivacyOptions:
             raise ValueError(
                 f"noise_mechanism must be one of {NOISE_MECHANISMS} or a NoiseMechanism; got {mechanism!r}"
             )
+        if self.num_buffers is not None and mechanism != "blt":
+            raise ValueError("num_buffers (BLT's buffers) needs noise_mechanism='blt'")
+        if self.max_noise_memory is not None and mechanism != "auto":
+            raise ValueError("max_noise_memory (a budget for the automatic choice) needs noise_mechanism='auto'")
         if mechanism == "gaussian":
             if self.num_bands not in (None, 1) or self.bandmf_coefficients is not None:
                 raise ValueError("num_bands / bandmf_coefficients need noise_mechanism='bandmf'")
             return
+        if mechanism in ("blt", "auto"):
+            self._check_blt_or_auto()
+            return
         self._check_bandmf()
+
+    def _check_blt_or_auto(self) -> None:
+        mechanism = self.noise_mechanism
+        if not self.poisson_sampling:
+            raise ValueError(f"noise_mechanism={mechanism!r} needs poisson_sampling=True: its participation bound "
+                             "rests on cyclic Poisson sampling (each example in one of b groups)")  # fmt: skip
+        if self.bandmf_coefficients is not None:
+            raise ValueError(f"bandmf_coefficients needs noise_mechanism='bandmf', not {mechanism!r}")
+        if mechanism == "blt" and self.clipping != self.clipper_mode:
+            raise ValueError(f"noise_mechanism='blt' with clipping={self.clipping!r}: BLT's correlated noise needs one "
+                             "clip norm for the whole run (no row rescaling as BandMF has); use clipping='flat' or "
+                             "'per_layer', or noise_mechanism='bandmf' / 'gaussian'")  # fmt: skip
+        if mechanism == "auto":
+            if self.target is None:
+                raise ValueError("noise_mechanism='auto' compares the mechanisms at equal epsilon: use "
+                                 "make_private_with_epsilon (at a given noise_multiplier they are not comparable)")  # fmt: skip
+            if self.num_bands is not None:
+                raise ValueError("num_bands with noise_mechanism='auto': the band counts are compared; name "
+                                 "noise_mechanism='bandmf' or 'blt' to fix them")  # fmt: skip
+            if self.max_noise_memory is not None:
+                self._set("max_noise_memory", check_count("max_noise_memory", self.max_noise_memory,
+                                                          what="bytes of noise state, or None"))  # fmt: skip
+        if self.num_bands is not None:
+            self._set("num_bands", check_count("num_bands", self.num_bands, what="the cyclic groups, or None"))
+        if self.num_buffers is not None:
+            self._set("num_buffers", check_count("num_buffers", self.num_buffers, what="BLT's buffers, or None"))
+            if self.num_buffers > MAX_NUM_BUFFERS:
+                raise ValueError(f"num_buffers={self.num_buffers} exceeds {MAX_NUM_BUFFERS} (noise.blt.MAX_NUM_BUFFERS)")
+        if self.total_steps is not None:
+            check_count("total_steps", self.total_steps, what="the number of steps of the run")
+        check_bandmf_size(total_steps=None if self.total_steps is None else int(self.total_steps), num_bands=None,
+                          optimised=True)  # fmt: skip
+        if self.total_steps is None and self.epochs is None:
+            raise ValueError(f"total_steps is needed with noise_mechanism={mechanism!r} (the strategy is optimised "
+                             "for the number of steps of the run)")  # fmt: skip
 
     def _check_bandmf(self) -> None:
         if not self.poisson_sampling:
@@ -396,6 +480,41 @@ class PrivacyOptions:
                 "audit with max_batch_size (truncated sampling) is refused: a canary would not be subject to the "
                 "truncation as an example is, so the audit would not be exact"
             )
+
+    def _check_privacy_unit(self) -> None:
+        """User-level DP only where every part of the step treats the user as the unit; elsewhere a clear refusal."""
+        check_privacy_unit(self.privacy_unit)
+        check_flag("shuffle_user_examples", self.shuffle_user_examples)
+        if self.privacy_unit == "example":
+            given = [name for name in ("user_ids", "examples_per_user") if getattr(self, name) is not None]
+            given += ["shuffle_user_examples"] if self.shuffle_user_examples else []
+            if given:
+                raise ValueError(f"{given[0]} is a user-level setting: it needs privacy_unit='user'")
+            return
+        if self.user_ids is None:
+            raise ValueError("privacy_unit='user' needs user_ids: the user of every example (a sequence aligned "
+                             "with the dataset, or a function of the dataset index)")  # fmt: skip
+        if isinstance(self.user_ids, (str, bytes)) or not (callable(self.user_ids) or hasattr(self.user_ids, "__len__")):
+            raise TypeError(f"user_ids must be a sequence aligned with the dataset or a function of the index; "
+                            f"got {type(self.user_ids).__name__}")  # fmt: skip
+        self._set("examples_per_user", check_count(
+            "examples_per_user", 1 if self.examples_per_user is None else self.examples_per_user,
+            what="the rows each sampled user contributes per step"))  # fmt: skip
+        refusals = (
+            (self.grad_sample_mode == "ghost", (
+                "grad_sample_mode='ghost' (fast clipping computes per-example norms without the cross terms between "
+                "one user's examples that a user's norm needs); use grad_sample_mode='hooks'")),
+            (self.max_batch_size is not None, "max_batch_size (truncated sampling of users is not implemented)"),
+            (not self.poisson_sampling, "poisson_sampling=False (the accounting needs users Poisson-sampled)"),
+            (self.adaptive_clipping is not None, (
+                "adaptive clipping (its count of unclipped users is not implemented at the user level); use "
+                "clipping='flat' or 'per_layer'")),
+            (self.audit is not None and self.audit.kind == "input", (
+                'audit=AuditConfig(kind="input") (input canaries would need user ids); use kind="gradient"')),
+        )  # fmt: skip
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"privacy_unit='user' with {what}")
 
 
 # ---------------------------------------------------------------------------------------------- entry points

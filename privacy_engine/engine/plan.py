@@ -10,6 +10,7 @@ changes the optimizer or records a step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
 from accountants import Accountant
 from privacy_engine.auditing.input_canaries import CanaryDataset, InputCanaries
+from privacy_engine.batches.users import UserAssignment
 from privacy_engine.capture import GradSampleModule
 from privacy_engine.capture.manual import ManualGradSampleModule
 from privacy_engine.clipping import parameter_groups
@@ -30,6 +32,7 @@ from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
 from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
 from privacy_engine.engine.limits import check_accounted_steps
+from privacy_engine.engine.mechanism_choice import plan_auto, plan_blt
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.truncation import worst_group_size
@@ -42,6 +45,7 @@ from privacy_engine.training.data_loader import DPDataLoader, loader_index_set
 from privacy_engine.training.optimizer import DPOptimizer
 from privacy_engine.training.optimizer_arguments import check_wrapped_optimizer, trainable_parameters
 from privacy_engine.training.rewrap import plain_loader_for
+from privacy_engine.training.user_sampling import assignment_for_loader, user_level_loader
 
 __all__ = ["BuildClasses", "Plan", "make_plan"]
 
@@ -120,6 +124,7 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     # steps of an epoch and the accounting are those of the enlarged dataset the private loader samples.
     input_canaries, data_loader = _with_input_canaries(data_loader, options, secure_mode=secure_mode, job=job)
     shape = _loader_shape(data_loader, options)
+    users, shape = _users(data_loader, options, shape, job=job)  # privacy_unit="user": users are the unit
     if options.target is not None:
         # Calibration time grows with the accounted steps: refused before any search.
         check_accounted_steps(options.epochs * shape.accounted_steps_per_epoch, epochs=options.epochs)
@@ -127,13 +132,13 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
         # Raises NotImplementedError naming PLDAccountant if this accountant cannot account for it.
         accountant.fresh().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=0, group_size=1,
                                 max_batch_size=options.max_batch_size)  # fmt: skip
-    choice = _choose_noise(options, shape, accountant=accountant, secure_mode=secure_mode)
+    choice = _choose_noise(options, shape, accountant=accountant, secure_mode=secure_mode, params=params)
     private_loader = _private_loader(data_loader, options, shape, num_bands=choice.num_bands,
-                                     secure_mode=secure_mode, job=job)  # fmt: skip
+                                     secure_mode=secure_mode, job=job, users=users)  # fmt: skip
     noise_plan = _noise_plan(options, shape, choice, private_loader, accountant)
     # Accepted, but likely not what the user wants: said once everything else has been checked.
     warn_if_delta_too_large(options.target_delta, shape.num_examples)
-    if options.target is not None and noise_plan.num_bands == 1:
+    if options.target is not None and noise_plan.num_bands == 1 and noise_plan.mechanism != "blt":
         warn_if_noise_drowns_the_gradient(noise_multiplier=noise_plan.noise_multiplier, target=options.target,
                                           expected_batch_size=noise_plan.expected_batch_size,
                                           steps=options.epochs * shape.accounted_steps_per_epoch)  # fmt: skip
@@ -239,6 +244,27 @@ def _loader_shape(data_loader: DataLoader, options: PrivacyOptions) -> LoaderSha
     )  # fmt: skip
 
 
+def _users(data_loader: DataLoader, options: PrivacyOptions, shape: LoaderShape, *,
+           job: distributed.DistributedJob | None) -> tuple[UserAssignment | None, LoaderShape]:  # fmt: skip
+    """``privacy_unit="user"``: the users of the loader's examples, and the loader's shape counted in users
+    (the sampled unit: ``num_examples`` is the number of users, an epoch ``round(users / batch_size)``
+    steps). ``(None, shape)`` for examples. Refuses DDP and a batch size above the number of users."""
+    if options.privacy_unit != "user":
+        return None, shape
+    if job is not None:
+        raise ValueError("privacy_unit='user' with DDP is refused: users would have to be Poisson-sampled once for "
+                         "the whole job and each user's rows kept on one rank; not implemented. Use one process.")  # fmt: skip
+    users = assignment_for_loader(data_loader, options.user_ids)
+    if shape.batch_size > users.num_users:
+        raise ValueError(
+            f"data_loader.batch_size={shape.batch_size} exceeds the {users.num_users} users: with privacy_unit='user' "
+            f"the batch size is the expected number of users per batch (q = batch_size / users must be <= 1)"
+        )
+    steps = max(1, round(users.num_users / shape.batch_size))
+    return users, dataclasses.replace(shape, num_examples=users.num_users, private_steps_per_epoch=steps,
+                                      accounted_steps_per_epoch=steps)  # fmt: skip
+
+
 def _with_input_canaries(data_loader: DataLoader, options: PrivacyOptions, *, secure_mode: bool,
                          job: distributed.DistributedJob | None) -> tuple[InputCanaries | None, DataLoader]:  # fmt: skip
     """``audit=AuditConfig(kind="input")``: the canaries, and a loader like ``data_loader`` over its dataset
@@ -291,7 +317,7 @@ def _noise_seed(options: PrivacyOptions) -> int | None:
 
 
 def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Accountant,
-                  secure_mode: bool) -> NoiseChoice:  # fmt: skip
+                  secure_mode: bool, params: list) -> NoiseChoice:  # fmt: skip
     """The noise mechanism: a builder (called only once nothing can fail), its bands and, for
     BandMF without ``num_bands``, the band counts compared and the one chosen."""
     mechanism = options.noise_mechanism
@@ -316,24 +342,48 @@ def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Ac
             mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None, noise_multiplier=options.sigma,
             make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode),
         )  # fmt: skip
+    if mechanism == "blt":
+        return plan_blt(options, shape, seed=seed, secure_mode=secure_mode)
+    if mechanism == "auto":
+        # One noise vector over the trainable parameters, in the dtype the noise is drawn in.
+        parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+        return plan_auto(options, shape, accountant=accountant, parameter_bytes=parameter_bytes, seed=seed,
+                         secure_mode=secure_mode)  # fmt: skip
     return plan_bandmf(options, shape, accountant=accountant, seed=seed, secure_mode=secure_mode)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
 def _private_loader(data_loader: DataLoader, options: PrivacyOptions, shape: LoaderShape, *, num_bands: int,
-                    secure_mode: bool, job: distributed.DistributedJob | None) -> DataLoader:  # fmt: skip
-    """Poisson sampling (DP-SGD), cyclic Poisson sampling over ``num_bands`` groups (BandMF) or
-    truncated sampling; the loader itself without Poisson sampling."""
+                    secure_mode: bool, job: distributed.DistributedJob | None,
+                    users: UserAssignment | None = None) -> DataLoader:  # fmt: skip
+    """Poisson sampling (DP-SGD), Poisson sampling over ``users`` (user-level), cyclic Poisson sampling over
+    ``num_bands`` groups (BandMF) or truncated sampling; the loader itself without Poisson sampling."""
     sampling_generator = options.noise_generator
+    seed_lazily = False
     if secure_mode:
-        # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed).
+        # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed); the
+        # loader's own generator= is not used either.
         sampling_generator = SecureGenerator()
+    elif sampling_generator is None and data_loader.generator is not None:
+        # The user's DataLoader(generator=...) drives the sampling, as in Opacus (its worker seeds too).
+        sampling_generator = data_loader.generator
     elif sampling_generator is None:
         # The loader's own generator, seeded by one draw from torch's global one (torch.manual_seed still
         # makes the run reproducible): its state can be checkpointed, and other draws from the global
         # generator (every DataLoader iterator takes one) do not shift the batches, so a resume is exact.
-        sampling_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        # Poisson sampling draws that seed at the first batch, so a torch.manual_seed after make_private
+        # counts; cyclic groups are drawn here (the truncation's calibration needs them), so seeded now.
+        sampling_generator = torch.Generator()
+        # (User-level sampling shuffles each user's examples at construction: seeded now as well.)
+        if num_bands > 1 or options.max_batch_size is not None or users is not None:
+            sampling_generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        else:
+            seed_lazily = True
     steps = shape.private_steps_per_epoch
+    if users is not None:
+        return user_level_loader(data_loader, users, examples_per_user=options.examples_per_user,
+                                 shuffle=options.shuffle_user_examples, generator=sampling_generator, steps=steps,
+                                 num_groups=num_bands)  # fmt: skip
     if job is not None:
         # Each rank samples its part of one global (cyclic) Poisson sample; collective (agrees on a seed).
         return job.private_loader(data_loader, num_groups=num_bands, max_batch_size=options.max_batch_size,
@@ -343,7 +393,10 @@ def _private_loader(data_loader: DataLoader, options: PrivacyOptions, shape: Loa
         return DPDataLoader.cyclic(data_loader, num_bands, max_batch_size=options.max_batch_size,
                                    generator=sampling_generator, steps=steps)  # fmt: skip
     if options.poisson_sampling:
-        return DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
+        private = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
+        if seed_lazily:
+            private.batch_sampler.seed_lazily()
+        return private
     return data_loader
 
 
@@ -378,5 +431,6 @@ def _noise_plan(options: PrivacyOptions, shape: LoaderShape, choice: NoiseChoice
         mechanism=choice.mechanism, num_bands=choice.num_bands, noise_multiplier=noise_multiplier,
         sample_rate=sample_rate, expected_batch_size=expected_batch_size, coefficients=choice.coefficients,
         total_steps=choice.total_steps or calibrated_steps, group_size=group_size,
-        max_batch_size=options.max_batch_size, candidates=choice.candidates,
+        max_batch_size=options.max_batch_size, candidates=choice.candidates, num_buffers=choice.num_buffers,
+        mechanism_candidates=choice.mechanism_candidates,
     )  # fmt: skip

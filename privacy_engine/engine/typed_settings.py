@@ -11,7 +11,8 @@ the dataclass (or ``ENTRY_POINTS``' required and refused settings) disagree.
 
 # No ``from __future__ import annotations`` here: the classes are built from evaluated annotations,
 # so that ``__required_keys__`` sees ``NotRequired`` (the test compares it with PrivacyOptions).
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from typing_extensions import NotRequired, TypedDict
@@ -48,6 +49,8 @@ class _OptionalSettings(PerformanceSettings, total=False):
     noise_mechanism: str | NoiseMechanism
     num_bands: int | None
     bandmf_coefficients: Sequence[float] | None
+    num_buffers: int | None
+    max_noise_memory: int | None
     total_steps: int | None
     max_batch_size: int | None
     nan_safe: bool
@@ -58,6 +61,10 @@ class _OptionalSettings(PerformanceSettings, total=False):
     max_clipbound: float | None
     min_clipbound: float | None
     unclipped_num_std: float | None
+    privacy_unit: str
+    user_ids: Sequence[Any] | Callable[[int], Any] | None
+    examples_per_user: int | None
+    shuffle_user_examples: bool
 
 
 class MakePrivateSettings(_OptionalSettings):

@@ -12,6 +12,8 @@ Where things are:
 * ``state.py``: saving, checking and restoring a mechanism's state (``state_dict``).
 * ``gaussian.py``: ``GaussianNoise`` (DP-SGD).
 * ``bandmf.py``: ``BandMFNoise`` (banded matrix factorisation, correlated across steps).
+* ``blt.py``: ``BLTNoise`` (buffered-linear-Toeplitz noise, streamed with a few buffers), its strategies'
+  loss, sensitivity and optimiser, and its event kind ``"blt"`` (un-amplified).
 * ``strategy.py``: BandMF's banded Toeplitz strategies: their error and the optimiser that picks them.
 * ``prefetch.py``: the background thread that draws the next step's noise while the step runs.
 * ``secure_random.py``: OS randomness for ``secure_mode`` (full-entropy generators and choices).
@@ -26,7 +28,8 @@ name in the engine's ``noise_mechanism`` choices, to select it by name).
 """
 
 from privacy_engine.noise.bandmf import BandMFNoise
+from privacy_engine.noise.blt import BLTNoise, BLTStrategy
 from privacy_engine.noise.gaussian import GaussianNoise
 from privacy_engine.noise.mechanism import NoiseMechanism
 
-__all__ = ["BandMFNoise", "GaussianNoise", "NoiseMechanism"]
+__all__ = ["BLTNoise", "BLTStrategy", "BandMFNoise", "GaussianNoise", "NoiseMechanism"]

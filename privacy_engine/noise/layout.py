@@ -23,9 +23,10 @@ import torch
 _SECURE_MODE_GENERATORS = 4
 
 
-def _global_generator_seed() -> int:
-    """A 62-bit seed drawn from torch's global CPU generator (what ``torch.manual_seed`` sets)."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+def _global_generator_seed(generator: torch.Generator | None = None) -> int:
+    """A 62-bit seed drawn from ``generator`` (default: torch's global CPU generator, what
+    ``torch.manual_seed`` sets)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator).item())
 
 
 def _derived_seed(seed: int, device_index: int, generator_index: int, layout: int = 0) -> int:

@@ -84,8 +84,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
 
     Args:
         seed: seeds every generator reproducibly (each device gets its own derived stream).
-            ``None``: one draw from torch's global generator (so ``torch.manual_seed`` makes the
-            run reproducible, as with Opacus), recorded in ``state_dict`` for resuming.
+            ``None``: one draw from torch's global generator, made lazily when the first step lays
+            out its noise (not when the mechanism is built), so ``torch.manual_seed`` called any time
+            before the first step makes the run repeat, as with Opacus; recorded in ``state_dict``
+            once drawn (a state saved before it holds ``seed=None`` and draws at its first step too).
         secure_mode: OS entropy only (a user ``seed`` raises ``ValueError``), as described above.
         prefetch: draw the next step's noise on a background thread while the current step's
             forward and backward passes run (CPU tensors only; one more flat buffer per device).
@@ -103,8 +105,9 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         self.prefetch = prefetch
         self.secure_mode = bool(secure_mode)
         # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
-        # torch.manual_seed alone makes a run reproducible (never in secure mode).
-        self._seed = None if secure_mode else (_global_generator_seed() if seed is None else int(seed))
+        # torch.manual_seed alone makes a run reproducible (never in secure mode). Drawn at the first step
+        # (_new_generators), not here: a torch.manual_seed between make_private and training must count.
+        self._seed = None if secure_mode or seed is None else int(seed)
         self._step = 0
         self._layout_restarts = 0  # see restart_layout
         self._signature: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...] | None = None
@@ -121,6 +124,21 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         return state
 
     # ------------------------------------------------------------------ public interface
+    def seed_lazily_from(self, generator: torch.Generator) -> None:
+        """Draw this mechanism's seed from ``generator`` (one draw, when the first step lays out the noise)
+        instead of from torch's global generator: a ``generator.manual_seed(...)`` made after the optimizer is
+        built still makes the run repeat, as with Opacus's ``DPOptimizer(generator=g)``.
+
+        ``ValueError`` in secure mode (OS randomness is never seeded) or when a seed was given or already
+        drawn; ``TypeError`` unless ``generator`` is a CPU ``torch.Generator``."""
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+            raise TypeError(f"seed_lazily_from needs a CPU torch.Generator, got {generator!r}")
+        if self.secure_mode:
+            raise ValueError("seed_lazily_from: secure mode draws its noise from the OS and is never seeded")
+        if self._seed is not None:
+            raise ValueError("seed_lazily_from: this mechanism already has a seed (given, or drawn at a step)")
+        self._seed_source = generator
+
     def restart_layout(self) -> None:
         """Forget the layout (and any history of past noise): the next ``add_noise_`` lays the noise
         out over the tensors it is given, e.g. after parameters were unfrozen.
@@ -418,6 +436,9 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     def _new_generators(self, device: torch.device, device_index: int) -> list[torch.Generator]:
         if self.secure_mode:
             return [full_entropy_generator(device) for _ in range(_SECURE_MODE_GENERATORS)]
+        if self._seed is None:  # the lazy draw (see __init__ and seed_lazily_from)
+            source = getattr(self, "_seed_source", None)
+            self._seed = _global_generator_seed() if source is None else _global_generator_seed(source)
         generator = torch.Generator(device=device)
         generator.manual_seed(_derived_seed(self._seed, device_index, 0, self._layout_restarts))
         return [generator]

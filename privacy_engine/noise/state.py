@@ -187,7 +187,9 @@ class NoiseStateMixin:
         seed = state["seed"]
         if self.secure_mode and seed is not None:
             raise ValueError("a secure-mode noise state must not hold a seed; this one does (it was altered)")
-        if not self.secure_mode and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        # seed None outside secure mode: saved before the first step of a mechanism whose seed is drawn lazily.
+        lazy = seed is None and state["devices"] == []
+        if not self.secure_mode and not lazy and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"noise state's seed must be an int >= 0; got {seed!r}")
         restarts = state.get("layout_restarts", 0)
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:

@@ -110,7 +110,9 @@ class PrivacyEngine(_PrivacyEngine):
 
     Args:
         accountant: ``"prv"`` (Opacus's default; the PLD accountant here), ``"rdp"``, or an accountant
-            instance; ``"gdp"`` raises (not provided).
+            instance; ``"gdp"`` raises (not provided). An Opacus-style ``IAccountant`` that is not an
+            engine ``accountants.Accountant`` raises ``TypeError`` (the engine composes its steps
+            with dp-accounting through ``accountants.Accountant``).
         secure_mode: OS-seeded noise and sampling; seeds and ``noise_generator`` are refused. Unlike
             Opacus, no ``torchcsprng`` is needed (see ``privacy_engine.noise`` for what it promises).
     """
@@ -118,6 +120,12 @@ class PrivacyEngine(_PrivacyEngine):
     def __init__(self, *, accountant: str | Accountant = "prv", secure_mode: bool = False) -> None:
         if isinstance(accountant, str):
             accountant = create_accountant(accountant.strip().lower())
+        if not isinstance(accountant, Accountant):
+            raise TypeError(
+                f"PrivacyEngine accounts with subclasses of accountants.Accountant (composed by dp-accounting); "
+                f"{type(accountant).__name__} is an Opacus-style IAccountant: use it through "
+                f"optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate)) instead"
+            )
         super().__init__(accountant=accountant, secure_mode=secure_mode)
 
     # ------------------------------------------------------------------ Opacus's model checks

@@ -275,8 +275,8 @@ class DPDataLoader(DataLoader):
     ) -> DPDataLoader:
         """Poisson-sampling version of ``loader``: ``q = loader.batch_size / len(dataset)``.
 
-        ``generator`` drives the sampling (None: torch's global generator); ``steps`` per epoch
-        defaults to ``round(1 / q)``.
+        ``generator`` drives the sampling (None: ``loader.generator``, as in Opacus, and when that is None
+        too, torch's global generator); ``steps`` per epoch defaults to ``round(1 / q)``.
 
         ============================  ===========================================
         case                          result
@@ -295,6 +295,8 @@ class DPDataLoader(DataLoader):
                 f"loader.batch_size={batch_size} exceeds the {population} examples the loader draws from: the "
                 "sample rate batch_size / len(examples) must be <= 1"
             )
+        if generator is None:
+            generator = loader.generator
         sampler = PoissonBatchSampler(
             num_samples, batch_size / population, steps=steps, generator=generator, indices=indices
         )
@@ -381,7 +383,8 @@ class DPDataLoader(DataLoader):
                 # that releases this batch knows its step index, group and padding, whatever order
                 # the loop uses it in.
                 ticket = BatchTicket(loader_step=step, size=entries, group=sampler.group_of_step(step),
-                                     padding_mask=padding_mask, origin=self.tickets.origin)  # fmt: skip
+                                     padding_mask=padding_mask, origin=self.tickets.origin,
+                                     users=sampler.take_row_users(step))  # fmt: skip
                 self.tickets.issue(ticket, batch)
                 tag_batch(batch, ticket)
                 yield batch
@@ -398,12 +401,14 @@ class DPDataLoader(DataLoader):
         processes prefetching, the generator may already be past the last yielded batch: a resume
         then samples validly but not the same batches."""
         sampler = self.batch_sampler
-        if isinstance(sampler, CyclicPoissonBatchSampler):
+        if isinstance(sampler, CyclicPoissonBatchSampler) or sampler.saves_own_state:
             state = sampler.state_dict()
             state["next_step"] = self._consumed_steps
         else:
             state = {"next_step": self._consumed_steps}
         state["generator"], state["generator_state"] = _sampling_generator_state(sampler.generator)
+        if sampler.seed_pending:
+            state["seed_pending"] = True  # saved before the first batch: the generator is seeded at it (seed_lazily)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,9 +424,13 @@ class DPDataLoader(DataLoader):
             )
         if kind == "own" and (saved.dtype != torch.uint8 or saved.shape != sampler.generator.get_state().shape):
             raise ValueError("the loader state's generator_state is not a CPU generator state")
-        if isinstance(sampler, CyclicPoissonBatchSampler):
+        if "user_cycles" in state and not sampler.saves_own_state:
+            raise ValueError("the loader state was saved from user-level sampling (privacy_unit='user'); this loader "
+                             "samples examples: make_private with the privacy_unit of the saved run")  # fmt: skip
+        if isinstance(sampler, CyclicPoissonBatchSampler) or sampler.saves_own_state:
             sampler.load_state_dict(state)
         if kind == "own":
             sampler.generator.set_state(saved)
+            sampler.seed_pending = state.get("seed_pending") is True
         self._consumed_steps = int(state["next_step"])
         sampler._next_step = self._consumed_steps

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from privacy_engine.batches.tickets import BatchTicket
 from privacy_engine.capture.step_binding import wrapper_holding
 from privacy_engine.clipping import AdaptiveClippingOptions, ClippingStats, MaxGradNorm, PerSampleGradientClipper
+from privacy_engine.clipping.per_user import user_group_ids
 from privacy_engine.interrupts import deferred_signals
 from privacy_engine.noise import NoiseMechanism
 from privacy_engine.training.canary_slot import CanarySlot, ClippedSumCanaries
@@ -48,6 +49,7 @@ from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerSta
 from privacy_engine.training.parameter_sync import ParameterSync
 from privacy_engine.training.release_checks import ReleaseChecks
 from privacy_engine.training.sampling import ShuffledBatches
+from privacy_engine.training.schedules import checked_clip_bounds, checked_noise_multiplier
 from privacy_engine.training.step_contract import Release, StepContract
 
 __all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
@@ -106,7 +108,8 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         loss_reduction: ``"mean"`` or ``"sum"``, as given to ``GradSampleModule``.
         clipper: a ready ``PerSampleGradientClipper`` over exactly these parameters.
         noise: a ``NoiseMechanism`` (default ``GaussianNoise(seed=noise_seed, secure_mode=...)``).
-        noise_seed: seed of the default Gaussian noise (``None``: OS entropy).
+        noise_seed: seed of the default Gaussian noise (``None``: one draw from torch's global generator at the
+            first step, so ``torch.manual_seed`` before the first step repeats the run; OS entropy in secure mode).
         secure_mode: OS-entropy noise only; a ``noise_seed`` raises.
         accountant: records every released step (``step(noise_multiplier=, sample_rate=,
             **noise.privacy_event().step_kwargs())``); ``None`` for no accounting.
@@ -188,6 +191,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self.clipper = clipper
         self.noise = noise
         self.noise_multiplier = noise_multiplier
+        #: The sigma this optimizer was built with (a schedule changes ``noise_multiplier``, not this); a checkpoint
+        #: saved at another one is a resume at a changed sigma (``load_state_dict`` keeps this run's).
+        self.initial_noise_multiplier = noise_multiplier
         self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
         self.loss_reduction = loss_reduction
         self.accountant = accountant
@@ -208,6 +214,10 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         #: Whether ``clip_and_accumulate(group_ids=...)`` is allowed: the engine's optimizers sample and
         #: account per example, so per-user clipping would be accounted wrongly there.
         self.per_user_clipping = bool(per_user_clipping)
+        #: ``"user"`` when the engine built this optimizer for user-level privacy (``privacy_unit="user"``): every
+        #: pass is then clipped per user from its batch's ticket, and per-sample gradients no user-level batch
+        #: explains are refused; ``"example"`` otherwise.
+        self.privacy_unit = "example"
         #: A privacy budget consulted before every release (privacy_engine.engine.budget); None for none.
         self.budget: Any | None = budget
         #: An audit's canaries (make_private(audit=...)): their only operation is to add their own contributions to
@@ -276,9 +286,40 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         return self.noise_multiplier if adaptive is None else adaptive.gradient_noise_multiplier(self.noise_multiplier)
 
     @property
+    def noise_multiplier(self) -> float:
+        """sigma, the noise multiplier of the next release (and the one the accountant records for it).
+
+        Settable between steps (a noise schedule, ``privacy_engine.training.schedules``): each release is noised
+        at and recorded with the sigma in force when it is released. Refused, before anything changes: a
+        changed sigma with correlated noise (BandMF), an invalid sigma (see ``schedules``'s table)."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self._noise_multiplier = checked_noise_multiplier(self, value)
+
+    @property
     def max_grad_norm(self) -> MaxGradNorm:
-        """The clipping bound(s) of the clipper (``PerSampleGradientClipper``'s ``max_grad_norm``)."""
-        return self.clipper.config.max_grad_norm
+        """The clipping bound(s) in force: the clipper's ``max_grad_norm``, or the last value a clip-norm
+        schedule set (flat: the bound; per-layer: the total bound, or one per group when the configured
+        ``max_grad_norm`` gave one per group). Settable between steps (``privacy_engine.training.schedules``):
+        examples are clipped at, and the noise is drawn at sigma times, the bound in force at each release.
+        Refused, before anything changes: adaptive clipping, clipped sums waiting at the old bound, an invalid
+        bound."""
+        scheduled = self.clipper._scheduled_bounds
+        configured = self.clipper.config.max_grad_norm
+        if scheduled is None:
+            return configured
+        if len(scheduled) == 1:
+            return scheduled[0]
+        return tuple(scheduled) if isinstance(configured, tuple) else self.clipper.total_bound
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: MaxGradNorm) -> None:
+        bounds = checked_clip_bounds(self, value)
+        if self.privacy_event.num_bands > 1 and bounds != tuple(self.clipper.bounds):
+            self.noise.clip_norm_may_change = True  # row t scaled by C_t / C_0 (BandMFNoise)
+        self.clipper.set_bounds(bounds)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Always ``RuntimeError``: the clipper and the noise are laid out over the parameters given at
@@ -334,7 +375,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             return  # dropped since (zero_grad): nothing of this pass is released
         self._check_connected()
         padding_mask = ticket.mask() if ticket.tracked else self.current_padding_mask()
-        self.clipper.clip_and_accumulate(padding_mask=padding_mask)
+        # A user-level draw (privacy_unit="user") says which rows are one user's: their summed gradient is
+        # clipped once (a pass cutting a user is refused before anything is clipped).
+        self.clipper.clip_and_accumulate(padding_mask=padding_mask, group_ids=user_group_ids(ticket))
         self.contract.contributed(ticket)
 
     # ------------------------------------------------------------------ DP steps
@@ -353,13 +396,19 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             raise ValueError(
                 "group_ids (per-user clipping) with an optimizer from make_private: its loader samples and its "
                 "accountant accounts single examples, so removing one example could change a user's clipped sum by "
-                "up to 2 * max_grad_norm. Sample users (one entry per user, holding all their examples) and clip "
-                "per entry instead."
+                "up to 2 * max_grad_norm. For user-level privacy use make_private(privacy_unit='user', user_ids=...): "
+                "it samples and accounts users and clips each user's summed gradient itself."
             )
         if group_ids is not None and (self._in_logical_step or self._skip_next_step):
             raise ValueError(
                 "group_ids (per-user clipping) inside a logical batch split into micro-batches: a user split across "
                 "micro-batches would be clipped once per micro-batch. Clip per user on whole logical batches."
+            )
+        if group_ids is None and self.privacy_unit == "user" and self._has_grad_samples():
+            raise ValueError(
+                "per-sample gradients of no user-level batch reached a user-level optimizer (privacy_unit='user'): "
+                "clipped per example, one user's rows could add up to examples_per_user * max_grad_norm. Nothing "
+                "was clipped. Run the model (the module make_private returned) on the batches of its private loader."
             )
         if padding_mask is None:
             padding_mask = self.current_padding_mask()
@@ -457,6 +506,8 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         count (``unclipped_count``) is noised and the next clip norms set inside the same commit; on an error
         the count's generator is rolled back and the clip norms stay."""
         adaptive = self.clipper.adaptive
+        if adaptive is not None:
+            adaptive.seed_if_pending()  # an unseeded run's count seed, drawn at its first release
         count_generator_state = None if adaptive is None else adaptive.generator.get_state()
         try:
             step_kwargs = self._accounting_kwargs(release, rows)

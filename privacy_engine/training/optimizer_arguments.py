@@ -126,10 +126,21 @@ def count_noise_generator(noise_seed: int | None, *, secure_mode: bool) -> torch
         return full_entropy_generator("cpu")
     if noise_seed is None:
         noise_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
-    sequence = np.random.SeedSequence(entropy=int(noise_seed), spawn_key=_COUNT_STREAM)
     generator = torch.Generator()
-    generator.manual_seed(int(sequence.generate_state(1, dtype=np.uint64)[0]))
+    generator.manual_seed(_count_stream_seed(noise_seed))
     return generator
+
+
+def _count_seed_from_global_generator() -> int:
+    """The count's generator seed derived from one draw of torch's global generator (a module-level function,
+    so an optimizer holding it still pickles)."""
+    return _count_stream_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()))
+
+
+def _count_stream_seed(noise_seed: int) -> int:
+    """The count's generator seed derived from ``noise_seed`` (``SeedSequence`` spawn key ``_COUNT_STREAM``)."""
+    sequence = np.random.SeedSequence(entropy=int(noise_seed), spawn_key=_COUNT_STREAM)
+    return int(sequence.generate_state(1, dtype=np.uint64)[0])
 
 
 #: The SeedSequence spawn key of the count's noise stream (no gradient-noise stream uses it).
@@ -150,8 +161,12 @@ def build_adaptive_clipping(
     if clipper.has_accumulated:
         raise ValueError("clipper already holds clipped sums; give adaptive clipping to a fresh clipper")
     adaptive = AdaptiveClipping(options, initial_clip_norms=clipper.bounds,
-                                generator=count_noise_generator(noise_seed, secure_mode=secure_mode),
+                                generator=count_noise_generator(0 if noise_seed is None and not secure_mode
+                                                                else noise_seed, secure_mode=secure_mode),
                                 secure_mode=secure_mode)  # fmt: skip
+    if noise_seed is None and not secure_mode:
+        # Seeded from torch's global generator at the first release, not now (as the gradient noise).
+        adaptive.seed_at_first_draw = _count_seed_from_global_generator
     config = clipper.config
     return PerSampleGradientClipper(clipper.params, config.max_grad_norm, clipping=config.clipping, groups=clipper.groups,
                                     nan_safe=config.nan_safe, rescale_to_unit_norm=config.rescale_to_unit_norm,

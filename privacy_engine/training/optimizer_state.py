@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from privacy_engine.training.optimizer_arguments import check_noise_multiplier
+from privacy_engine.training.schedules import checked_noise_multiplier
 
 if TYPE_CHECKING:
     from privacy_engine.clipping import PerSampleGradientClipper
@@ -34,6 +35,7 @@ class OptimizerState:
     clipper: PerSampleGradientClipper
     noise: NoiseMechanism
     noise_multiplier: float
+    initial_noise_multiplier: float
     steps_taken: int
     _skip_next_step: bool
     _in_logical_step: bool
@@ -49,6 +51,7 @@ class OptimizerState:
             "noise": self.noise.state_dict(),
             "clipper": self.clipper.state_dict(),
             "noise_multiplier": self.noise_multiplier,
+            "initial_noise_multiplier": self.initial_noise_multiplier,
             "steps_taken": self.steps_taken,
             "skip_next_step": self._skip_next_step,
             "in_logical_step": self._in_logical_step,
@@ -133,6 +136,8 @@ class OptimizerState:
             raise ValueError(f"the optimizer's DP state lacks {missing} (it was altered)")
         try:
             check_noise_multiplier(dp_state["noise_multiplier"])
+            check_noise_multiplier(dp_state.get("initial_noise_multiplier", dp_state["noise_multiplier"]))
+            checked_noise_multiplier(self, self._noise_multiplier_to_restore(dp_state))
         except TypeError as error:
             raise ValueError(str(error)) from error
         steps = dp_state["steps_taken"]
@@ -151,6 +156,16 @@ class OptimizerState:
             )
         if self.canaries is not None:
             self.canaries.check_state_dict(dp_state["canaries"])
+
+    def _noise_multiplier_to_restore(self, dp_state: dict[str, Any]) -> float:
+        """The sigma of the next release after loading ``dp_state``: the saved sigma in force (an exact resume,
+        a noise schedule's value included) when the saved run was built with this run's sigma; otherwise this
+        run's own sigma (a resume at a changed sigma: the ledger keeps the saved steps at their sigma and the
+        steps from here on are recorded at this one)."""
+        saved_initial = float(dp_state.get("initial_noise_multiplier", dp_state["noise_multiplier"]))
+        if saved_initial == self.initial_noise_multiplier:
+            return float(dp_state["noise_multiplier"])
+        return self.noise_multiplier
 
     def _check_clipper_state(self, saved: Any) -> None:
         current = self.clipper.state_dict()
@@ -204,7 +219,7 @@ class OptimizerState:
             raise
         if self.canaries is not None:  # checked above: loading cannot fail
             self.canaries.load_state_dict(dp_state["canaries"])
-        self.noise_multiplier = float(dp_state["noise_multiplier"])
+        self.noise_multiplier = self._noise_multiplier_to_restore(dp_state)  # checked above: cannot raise
         self.steps_taken = int(dp_state["steps_taken"])
         self._skip_next_step = bool(dp_state["skip_next_step"])
         self._in_logical_step = bool(dp_state["in_logical_step"])

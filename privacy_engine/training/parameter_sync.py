@@ -11,6 +11,7 @@ that gradient without noise: refused at every forward and step, before anything 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -125,6 +126,12 @@ class ParameterSync:
             kept = [[p for p in group if any(p is a for a in active)] for group in self.clipper.groups]
             grouped = {id(p) for group in kept for p in group}
             groups = [g for g in kept if g] + [[p] for p in active if id(p) not in grouped]
-        return PerSampleGradientClipper(active, config.max_grad_norm, clipping=config.clipping, groups=groups,
-                                        nan_safe=config.nan_safe,
-                                        rescale_to_unit_norm=config.rescale_to_unit_norm)  # fmt: skip
+        clipper = PerSampleGradientClipper(active, config.max_grad_norm, clipping=config.clipping, groups=groups,
+                                           nan_safe=config.nan_safe,
+                                           rescale_to_unit_norm=config.rescale_to_unit_norm)  # fmt: skip
+        scheduled = self.clipper._scheduled_bounds  # a clip-norm schedule's bound in force (training.schedules)
+        if scheduled is not None:
+            # The same total bound, split equally over the new groups as a single max_grad_norm is.
+            total = math.sqrt(sum(b * b for b in scheduled))
+            clipper.set_bounds([total / math.sqrt(clipper.num_groups)] * clipper.num_groups)
+        return clipper

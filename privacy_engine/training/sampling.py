@@ -75,6 +75,9 @@ class _DPBatchSampler(Sampler[list[int]]):
 
     num_groups: int
     max_batch_size: int | None
+    #: Whether the loader's ``state_dict`` holds this sampler's own ``state_dict()`` (user-level sampling's
+    #: cycles); the Poisson and cyclic samplers' state is written by the loader itself.
+    saves_own_state: bool = False
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -83,6 +86,19 @@ class _DPBatchSampler(Sampler[list[int]]):
         # (otherwise direct iteration would grow it without bound).
         self._records: collections.deque[tuple[int, torch.Tensor | None, int]] = collections.deque()
         self._recording = False
+        #: Seed ``generator`` by one draw from torch's global generator at the first batch drawn (``seed_lazily``).
+        self.seed_pending = False
+
+    def seed_lazily(self) -> None:
+        """Seed this sampler's own generator by one draw from torch's global generator when the first batch is
+        drawn, not now: ``torch.manual_seed`` called after the loader is built (after ``make_private``) still
+        makes the batches repeat, while the generator stays the sampler's own (its state is checkpointed and
+        other users of the global generator do not shift the batches once it is seeded). ``ValueError`` for a
+        sampler with no own generator (``None``: the global one) or a secure one (OS randomness, never seeded)."""
+        generator = getattr(self, "generator", None)
+        if generator is None or is_secure_generator(generator):
+            raise ValueError("seed_lazily needs the sampler's own torch.Generator (not None, not a secure one)")
+        self.seed_pending = True
 
     def __len__(self) -> int:
         return self.steps
@@ -93,6 +109,9 @@ class _DPBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         start = self._next_step
         for step in range(start, start + self.steps):
+            if self.seed_pending:
+                self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()))
+                self.seed_pending = False
             indices, padding_mask = self._draw(step)
             self._next_step = step + 1
             if self._recording:
@@ -102,6 +121,11 @@ class _DPBatchSampler(Sampler[list[int]]):
     def group_of_step(self, step: int) -> int:
         """The group that global step ``step`` samples from (0 without cyclic groups)."""
         return 0
+
+    def take_row_users(self, step: int) -> torch.Tensor | None:
+        """Called by the loader when it yields the batch of global step ``step``: the user slot of each of
+        its rows for a user-level sampler (``user_sampling.UserPoissonBatchSampler``); None here (examples)."""
+        return None
 
 
 class PoissonBatchSampler(_DPBatchSampler):

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from privacy_engine.batches.tickets import find_ticket, tag_batch
+from privacy_engine.clipping.per_user import user_aligned_size
 from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = ["VirtualSteps", "batch_size_of", "split_batch"]
@@ -99,6 +100,9 @@ class VirtualSteps:
     logical batch <= max size         one micro-batch, a normal step
     empty logical batch               one empty micro-batch, a normal step
     max_physical_batch_size < 1       ValueError
+    user-level batch (privacy_unit=   micro-batches of a multiple of
+    "user")                           examples_per_user rows (never cutting a
+                                      user); ValueError if smaller than it
     optimizer not a DPOptimizer       TypeError
     loop left mid logical batch       partial sum discarded, warning
     ================================  ==========================================
@@ -150,7 +154,8 @@ class VirtualSteps:
             for batch in self.data_loader:
                 padding_mask = getattr(self.data_loader, "padding_mask", None)
                 ticket = find_ticket(batch)
-                pieces = split_batch(batch, self.max_physical_batch_size)
+                # User-level batches (privacy_unit="user") are cut between users only: a user is clipped once.
+                pieces = split_batch(batch, user_aligned_size(ticket, self.max_physical_batch_size))
                 for index, (start, end, micro_batch) in enumerate(pieces):
                     last = index == len(pieces) - 1
                     if ticket is not None:

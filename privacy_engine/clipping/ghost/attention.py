@@ -93,8 +93,9 @@ class AttentionDecomposition:
             weight_value = torch.bmm(flat_grads.transpose(1, 2), sequences) if train_weight else None
             return keyed(weight_value, flat_grads.sum(dim=1) if train_bias else None)
 
+        # batch_dim 0: the decomposition runs its projections batch first, whatever the module's layout.
         use = Use(path=path, layer=layer, parts=tuple(parts), activations=(inputs.detach(),),
-                   norms=norms, sums=sums, grads=per_sample)
+                   norms=norms, sums=sums, grads=per_sample, batch_dim=0)
         return self._gate_output(use, output, True, (inputs,))
 
     def _attention_call(self, path, attention: nn.MultiheadAttention, query, key, value, *, key_padding_mask,

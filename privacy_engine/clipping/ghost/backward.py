@@ -92,7 +92,7 @@ class BackwardPasses:
         state.reached.append(use)
         if use.grad_shape is not None:
             grads = grads.reshape(use.grad_shape)
-        grads, activations = self._batch_first(grads, activations)
+        grads, activations = self._batch_first(grads, activations, use.batch_dim)
         batch_size = grads.shape[0]
         state.note_batch(use, batch_size)
         if batch_size == 0:

@@ -5,7 +5,7 @@ parameters as inputs. In backward the gate hands the output gradient ``G`` to th
 reaches earlier layers through the input, but the ordinary weight-gradient product is never computed.
 
 ``GatedLayers`` is a mixin of ``GhostClippingModule``. Its forwards read ``_flags.inside_fallback``,
-``_batch_dim`` and ``_generation``, feed the batch-size bookkeeping, and add each gated call to
+each layer's batch dim (``_layer_dim``) and ``_generation``, feed the batch-size bookkeeping, and add each gated call to
 ``_passes.pending`` (not a non-reentrant checkpoint's recomputed call: backward runs through the first
 forward's gate, ``capture.recompute``); it keeps no state of its own.
 """
@@ -134,7 +134,7 @@ class GatedLayers:
         if self._flags.inside_fallback or not (layer.training and torch.is_grad_enabled()):
             output = original(*args, **kwargs)
             if layer.training and not self._flags.inside_fallback:
-                self._note_batch_without_grad(output)  # a reentrant checkpoint's first forward
+                self._note_batch_without_grad(output, path)  # a reentrant checkpoint's first forward
             return output
         own = layer._parameters
         trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
@@ -164,13 +164,14 @@ class GatedLayers:
                 f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
             )
         self._check_called_through_wrapper(path)
-        broadcast_to = self._note_batch_size(path, output.shape[self._batch_dim])
+        dim = self._layer_dim(path)
+        broadcast_to = self._note_batch_size(path, output.shape[dim])
         activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         if broadcast_to is not None:
             # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
             # gate, so that G arrives per example.
             activations = self._broadcast_activations(path, layer, activations, broadcast_to)
-            output = expand_batch(output, self._batch_dim, broadcast_to)
+            output = expand_batch(output, dim, broadcast_to)
         use = Use(
             path=path,
             layer=layer,
@@ -179,5 +180,6 @@ class GatedLayers:
             norms=norms,
             sums=sums,
             grads=grads,
+            batch_dim=dim,
         )
         return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args)

@@ -64,7 +64,8 @@ import torch
 from torch import nn
 
 from grad_samplers.registry import GradSampler
-from privacy_engine.capture.common import HOOKED_MODULES, ParameterUsageError
+from privacy_engine.capture.common import HOOKED_MODULES, ParameterUsageError, forward_with_model_signature
+from privacy_engine.capture.compiled_code import stale_compilation_note
 from privacy_engine.capture.module import GradSampleModule
 from privacy_engine.clipping.ghost.attention import AttentionDecomposition
 from privacy_engine.clipping.ghost.backward import BackwardPasses
@@ -243,6 +244,7 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
             self._patch_forward(path, layer)  # the core's fallback patch, calling this class's _fallback_call
         HOOKED_MODULES.add(layer)
 
+    @forward_with_model_signature
     def forward(self, *args, **kwargs):
         """Run the wrapped module with the fast-clipping gates, as ``GradSampleModule.forward`` does (same
         checks and step binding), and return its output.
@@ -306,10 +308,12 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
         if grad is None or not self.training:
             return
         self._passes.current = None
+        owner = next((self._tables.owner_paths.get(p) for n, p in self._module.named_parameters() if n == name), None)
         raise ParameterUsageError(
             f"parameter {name!r} received a gradient outside ghost clipping (it is used outside the forward of "
             f"the module that owns it, e.g. read directly or in a loss term): that gradient would bypass "
             f"per-example clipping. Route every use through the owning module's forward."
+            + stale_compilation_note(self._module, owner)
         )
 
     def _check_known(self, squared: dict[nn.Parameter, torch.Tensor]) -> None:

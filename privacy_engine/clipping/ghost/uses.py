@@ -55,7 +55,8 @@ class Use:
     ``norms`` / ``sums`` / ``grads``: ``(activations, G) -> {param: squared norms (B,)}``,
     ``(activations, G, weights) -> {param: weighted sum}``, ``(activations, G) -> {param: (B, ...)}``;
     ``norms``/``sums`` None when only materialising is possible. A fallback call has no functions:
-    its per-example gradients arrive through hooks.
+    its per-example gradients arrive through hooks. ``batch_dim``: where the examples sit in ``activations``
+    and in the output gradient (the layer's own layout; 0 for attention's projections, which run batch first).
     """
 
     path: str
@@ -68,6 +69,7 @@ class Use:
     consumed: bool = False
     grad_shape: torch.Size | None = None
     generation: int = 0  # the training forward this call belongs to (see StepContractBinding._check_live)
+    batch_dim: int = 0
 
 
 def shared_parameters(uses: Sequence[Use]) -> set:

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from privacy_engine.engine.noise_plan import BandCandidate, NoisePlan
+from privacy_engine.engine.noise_plan import BandCandidate, MechanismCandidate, NoisePlan
 
 __all__ = ["PLAN_FIELDS_TO_MATCH", "check_engine_state", "check_restored_source", "ledger_after_restore",
            "plan_from_dict", "plan_to_dict"]
@@ -40,6 +40,13 @@ def plan_from_dict(data: Any) -> Any:
             raise ValueError("the saved noise_plan's candidates are not BandCandidate fields")
         candidates.append(BandCandidate(**candidate))
     values["candidates"] = tuple(candidates)
+    mechanism_fields = {field.name for field in dataclasses.fields(MechanismCandidate)}
+    rows = []
+    for row in values.get("mechanism_candidates", ()):
+        if not isinstance(row, Mapping) or set(row) != mechanism_fields:
+            raise ValueError("the saved noise_plan's mechanism_candidates are not MechanismCandidate fields")
+        rows.append(MechanismCandidate(**row))
+    values["mechanism_candidates"] = tuple(rows)
     try:
         return NoisePlan(**values)
     except TypeError as error:
@@ -56,7 +63,8 @@ def check_engine_state(engine: Any, state: Any) -> Any:
 
     Raises ValueError naming the first mismatch: not a dict, secure_mode, accountant kind or a
     damaged accountant state, a noise plan that differs from the engine's own in one of
-    ``PLAN_FIELDS_TO_MATCH``. Changes nothing."""
+    ``PLAN_FIELDS_TO_MATCH`` (but for DP-SGD's ``noise_multiplier``: a resume at a changed sigma, whose plan is
+    returned with this engine's sigma). Changes nothing."""
     if not isinstance(state, Mapping) or "accountant" not in state or "secure_mode" not in state:
         raise ValueError("the engine state is not a dict with 'accountant' and 'secure_mode' (it was altered)")
     if state["secure_mode"] is not engine.secure_mode:
@@ -75,6 +83,13 @@ def check_engine_state(engine: Any, state: Any) -> Any:
     plan = plan_from_dict(state.get("noise_plan"))
     current = engine.noise_plan
     if plan is not None and current is not None:
+        # DP-SGD resumed at another sigma is allowed and accounted: the ledger holds the saved steps at the saved
+        # sigma, the optimizer records the next ones at this run's (DPOptimizer.load_state_dict keeps it). BandMF's
+        # guarantee is for one noise scale on every row: its sigma must match.
+        # Truncated sampling too: its accounted group size is the worst one at the planned sigma.
+        sigma_may_change = plan.mechanism == current.mechanism == "gaussian" and plan.max_batch_size is None
+        if sigma_may_change and plan.noise_multiplier != current.noise_multiplier:
+            plan = dataclasses.replace(plan, noise_multiplier=current.noise_multiplier)
         for field in PLAN_FIELDS_TO_MATCH:
             saved_value, value = getattr(plan, field), getattr(current, field)
             if saved_value != value:

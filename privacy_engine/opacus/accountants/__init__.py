@@ -20,13 +20,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from accountants import Accountant
 from accountants import PLDAccountant as _PLDAccountant
 from accountants import RDPAccountant as _RDPAccountant
 from accountants.events import EventSpec
 from accountants.state import STATE_DICT_FORMAT
-from privacy_engine.engine.options import ACCOUNTANT_ALIASES
 from privacy_engine.opacus._lazy import unavailable
+from privacy_engine.opacus.accountants import registry
+from privacy_engine.opacus.accountants.interface import IAccountant
+from privacy_engine.opacus.accountants.registry import _GDP_REFUSED, create_accountant, register_accountant
 
 __all__ = [
     "GaussianAccountant",
@@ -35,10 +36,8 @@ __all__ = [
     "RDPAccountant",
     "create_accountant",
     "register_accountant",
+    "registry",
 ]
-
-#: The accountant interface (the engine's abstract accountant).
-IAccountant = Accountant
 
 
 class _OpacusInterface:
@@ -52,6 +51,17 @@ class _OpacusInterface:
 
     def __len__(self) -> int:
         return self.steps
+
+    @property
+    def history(self):
+        """The recorded steps (this engine's ``HistoryEntry`` records). Assigning a list of Opacus's
+        ``(noise_multiplier, sample_rate, steps)`` tuples replaces them (as ``load_state_dict`` of
+        Opacus's state dict does; ``ValueError`` for anything else, before anything changes)."""
+        return super().history
+
+    @history.setter
+    def history(self, entries) -> None:
+        self.load_state_dict({"history": list(entries), "mechanism": self.mechanism()})
 
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """A step hook for ``DPOptimizer.attach_step_hook``: records each released step with this
@@ -168,35 +178,7 @@ class PRVAccountant(_OpacusInterface, _PLDAccountant):
         return super().get_epsilon(delta)
 
 
-GaussianAccountant = unavailable(
-    "GaussianAccountant",
-    "Opacus's GaussianAccountant ('gdp', a central-limit approximation that can under-report epsilon) is not "
-    "provided: use PRVAccountant (accountant='prv', the default) or RDPAccountant (accountant='rdp')",
-)
+GaussianAccountant = unavailable("GaussianAccountant", _GDP_REFUSED)
 
-#: This namespace's accountant class for each engine accountant name; a name is read through the
-#: engine's one table of names (``ACCOUNTANT_ALIASES``: "prv" is "pld"). ``register_accountant`` adds.
-_ACCOUNTANTS: dict[str, type] = {"rdp": RDPAccountant, "pld": PRVAccountant}
-
-
-def _engine_name(mechanism: str) -> str:
-    return ACCOUNTANT_ALIASES.get(mechanism, mechanism)
-
-
-def create_accountant(mechanism: str) -> Accountant:
-    """A new accountant by Opacus's name: ``"prv"`` (PLD here), ``"rdp"``; ``"gdp"`` is refused."""
-    if mechanism == "gdp":
-        GaussianAccountant()  # raises with the explanation
-    if _engine_name(mechanism) not in _ACCOUNTANTS:
-        names = sorted(set(ACCOUNTANT_ALIASES) | set(_ACCOUNTANTS))
-        raise ValueError(f"accountant must be one of {names} ('gdp' is not provided); got {mechanism!r}")
-    return _ACCOUNTANTS[_engine_name(mechanism)]()
-
-
-def register_accountant(mechanism: str, accountant: type) -> None:
-    """Make ``create_accountant(mechanism)`` (and ``PrivacyEngine(accountant=mechanism)``) build
-    ``accountant``, a subclass of the engine's ``accountants.Accountant`` (for "prv" and "pld"
-    alike: they name one accountant)."""
-    if not (isinstance(accountant, type) and issubclass(accountant, Accountant)):
-        raise TypeError(f"accountant must be a subclass of accountants.Accountant; got {accountant!r}")
-    _ACCOUNTANTS[_engine_name(mechanism)] = accountant
+# The built-in names (``registry.create_accountant``; "prv" is read as "pld").
+registry._ACCOUNTANTS.update({"rdp": RDPAccountant, "pld": PRVAccountant})

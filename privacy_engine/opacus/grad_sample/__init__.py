@@ -18,12 +18,16 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import torch
 from torch import nn
 
 from grad_samplers.registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
 from privacy_engine.capture import GradSampleModule as _GradSampleModule
+from privacy_engine.capture.common import forward_with_model_signature
 from privacy_engine.capture.manual import ManualGradSampleModule
+from privacy_engine.clipping.clipper import PerSampleGradientClipper
 from privacy_engine.clipping.ghost import GhostClippingModule
+from privacy_engine.models.validation import UnsupportedModuleError
 from privacy_engine.opacus._binding import wrapper_built
 from privacy_engine.settings_checks import check_grad_sample_mode
 
@@ -33,10 +37,34 @@ __all__ = [
     "GradSampleModuleExpandedWeights",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleNoOp",
+    "UnsupportedModelError",
+    "drop_released_grad_samples",
     "get_gsm_class",
     "register_grad_sampler",
     "register_norm_sampler",
 ]
+
+
+class UnsupportedModelError(UnsupportedModuleError, NotImplementedError):
+    """A model the wrapper cannot give per-sample gradients for (a BatchNorm in training mode, a layer
+    that ``torch.func`` cannot run per example, ...). Raised by this namespace's wrappers at
+    construction, before the model is changed. It is both the engine's ``UnsupportedModuleError`` (a
+    ``ValueError``) and the ``NotImplementedError`` Opacus's wrappers raise, so either ``except`` works.
+    The message lists each problem and its fix (``ModuleValidator.fix`` / ``fix_module`` for most)."""
+
+
+#: Set on a ``grad_sample`` tensor the namespace's optimizer put back after releasing its step.
+RELEASED_FLAG = "_released_by_step"
+
+
+def drop_released_grad_samples(module: nn.Module) -> None:
+    """Set to None every ``grad_sample`` of ``module``'s parameters that a released step left for
+    reading (``DPOptimizer.step`` in this namespace): the next backward must start from nothing, not
+    add its examples' rows to those of the previous batch."""
+    for param in module.parameters():
+        grad_sample = getattr(param, "grad_sample", None)
+        if grad_sample is not None and getattr(grad_sample, RELEASED_FLAG, False):
+            param.grad_sample = None
 
 
 class _OpacusStateDict:
@@ -45,9 +73,22 @@ class _OpacusStateDict:
     A wrapper built here is connected as Opacus scripts expect (``opacus._binding``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except UnsupportedModuleError as error:
+            if isinstance(error, NotImplementedError):
+                raise
+            raise UnsupportedModelError(str(error)) from error
         # Opacus scripts never connect their pieces: the namespace connects a hand-built pair (opacus._binding).
         wrapper_built(self)
+
+    @forward_with_model_signature
+    def forward(self, *args: Any, **kwargs: Any):
+        """The engine's forward; a training forward first drops the ``grad_sample`` a released step left
+        for reading (``drop_released_grad_samples``), so each backward's rows are its own examples'."""
+        if self.training and torch.is_grad_enabled():
+            drop_released_grad_samples(self._module)
+        return super().forward(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return nn.Module.state_dict(self, *args, **kwargs)
@@ -100,14 +141,66 @@ class GradSampleModule(_OpacusStateDict, _GradSampleModule):
     ) -> None:
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
         self.force_functorch = bool(force_functorch)
+        self._hooks_enabled = True
+
+    @property
+    def hooks_enabled(self) -> bool:
+        """Whether forward and backward passes compute per-sample gradients (``disable_hooks``)."""
+        return self.__dict__.get("_hooks_enabled", True)
+
+    def enable_hooks(self) -> None:
+        """Compute per-sample gradients again after ``disable_hooks()``."""
+        self._hooks_enabled = True
+
+    def disable_hooks(self) -> None:
+        """Run the model without computing per-sample gradients until ``enable_hooks()``: a backward
+        then fills ``p.grad`` only, as the plain model would (for evaluation, or for gradients that
+        are not to be released).
+
+        Guarantee: nothing computed while the hooks are off can be released: a private optimizer's
+        ``step()`` after such a backward finds no per-sample gradients and raises, releasing and
+        recording nothing (the step contract, ``privacy_engine.training.step_contract``).
+        """
+        self._hooks_enabled = False
+
+    @forward_with_model_signature
+    def forward(self, *args: Any, **kwargs: Any):
+        """The engine's forward (see ``privacy_engine.capture.GradSampleModule``); with the hooks
+        disabled, the same forward with nothing captured."""
+        if self.hooks_enabled or not self.training:
+            return super().forward(*args, **kwargs)
+        # The capture and the batch binding read the wrapper's own training flag (the layers keep
+        # theirs, so dropout and normalisation behave as in training): off, nothing is captured.
+        self.training = False
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.training = True
+
+
+class _StandaloneClipper(PerSampleGradientClipper):
+    """The clipper of a fast-clipping wrapper used without an optimizer: each backward pass's clipped
+    sum is added to the parameters' ``.grad`` (Opacus's behaviour), besides the accumulator."""
+
+    def accumulate_clipped_sums_(self, clipped_sums, per_sample_norms, *, padding_mask=None, take_ownership=False):
+        super().accumulate_clipped_sums_(clipped_sums, per_sample_norms, padding_mask=padding_mask)
+        self.reset()  # nothing is released from here: the sums live in .grad only
+        for param, total in clipped_sums.items():
+            total = total.detach().to(param.dtype)
+            param.grad = total.clone() if param.grad is None else param.grad + total
 
 
 class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule):
     """This engine's fast-clipping wrapper (``grad_sample_mode="ghost"``) with Opacus's keys.
 
     Clipping happens inside the ordinary backward pass, with the bound of the clipper that
-    ``make_private`` attaches; Opacus's ``max_grad_norm`` and ``use_ghost_clipping`` arguments are
-    accepted for its scripts and not used here. ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` (Opacus's class
+    ``make_private`` (or a ``DPOptimizer`` built by hand and connected to it) attaches. Used on its
+    own, without an optimizer, the wrapper clips at ``max_grad_norm``: after ``backward()`` each
+    parameter's ``.grad`` holds the sum over the examples of their gradients clipped to
+    ``max_grad_norm`` in total L2 norm (Opacus's result; no noise: nothing is private yet), and
+    ``last_per_sample_norms`` their unclipped norms. A training forward without a clipper and
+    without ``max_grad_norm`` raises ``RuntimeError``. ``use_ghost_clipping`` is accepted for Opacus's
+    scripts (the engine chooses per layer). ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` (Opacus's class
     attributes) are live views of the engine's table.
     """
 
@@ -124,7 +217,20 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule
         use_ghost_clipping: bool = True,
         strict: bool = True,
     ) -> None:
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None; got {max_grad_norm!r}")
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+        self.max_grad_norm = max_grad_norm
+        self.use_ghost_clipping = use_ghost_clipping
+
+    @forward_with_model_signature
+    def forward(self, *args: Any, **kwargs: Any):
+        """The engine's fast-clipping forward; used on its own, it first attaches a clipper at
+        ``max_grad_norm`` (see the class docstring)."""
+        if self.training and torch.is_grad_enabled() and self.clipper is None and self.max_grad_norm is not None:
+            trainable = [p for p in self._module.parameters() if p.requires_grad]
+            self.attach_clipper(_StandaloneClipper(trainable, float(self.max_grad_norm)))
+        return super().forward(*args, **kwargs)
 
 
 class GradSampleModuleNoOp(_OpacusStateDict, ManualGradSampleModule):

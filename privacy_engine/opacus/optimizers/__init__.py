@@ -9,8 +9,16 @@ engine's ``privacy_engine.clipping.adaptive``.
 from __future__ import annotations
 
 from privacy_engine.opacus.optimizers.adaclipoptimizer import AdaClipDPOptimizer
+from privacy_engine.opacus.optimizers.ddp_perlayeroptimizer import (
+    DistributedPerLayerOptimizer,
+    SimpleDistributedPerLayerOptimizer,
+)
 from privacy_engine.opacus.optimizers.ddpoptimizer import DistributedDPOptimizer
+from privacy_engine.opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+    DistributedDPOptimizerFastGradientClipping,
+)
 from privacy_engine.opacus.optimizers.optimizer import DPOptimizer, DPPerLayerOptimizer
+from privacy_engine.opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
 from privacy_engine.settings_checks import check_clipping
 
 __all__ = [
@@ -19,11 +27,11 @@ __all__ = [
     "DPOptimizerFastGradientClipping",
     "DPPerLayerOptimizer",
     "DistributedDPOptimizer",
+    "DistributedDPOptimizerFastGradientClipping",
+    "DistributedPerLayerOptimizer",
+    "SimpleDistributedPerLayerOptimizer",
     "get_optimizer_class",
 ]
-
-#: Fast clipping uses the same optimizer (the clipping happens in the backward pass).
-DPOptimizerFastGradientClipping = DPOptimizer
 
 def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str | None = None) -> type:
     """Opacus's lookup of the optimizer class; here ``DPOptimizer`` (or ``DPPerLayerOptimizer``,
@@ -31,5 +39,5 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: str 
     if clipping == "adaptive":
         return AdaClipDPOptimizer
     if distributed:
-        return DistributedDPOptimizer
+        return DistributedPerLayerOptimizer if check_clipping(clipping) == "per_layer" else DistributedDPOptimizer
     return DPPerLayerOptimizer if check_clipping(clipping) == "per_layer" else DPOptimizer

@@ -21,7 +21,7 @@ import torch
 from torch.optim import Optimizer
 
 from privacy_engine.clipping import AdaptiveClippingOptions, PerSampleGradientClipper
-from privacy_engine.opacus.optimizers.optimizer import DPOptimizer, _seed_from
+from privacy_engine.opacus.optimizers.optimizer import DPOptimizer, _check_generator
 from privacy_engine.training.optimizer_arguments import build_adaptive_clipping, trainable_parameters
 
 __all__ = ["AdaClipDPOptimizer", "AdaClipFromClipper"]
@@ -70,7 +70,10 @@ class AdaClipDPOptimizer(DPOptimizer):
         if clipper is None:
             clipper = PerSampleGradientClipper(trainable_parameters(optimizer), max_grad_norm, clipping="flat")
         # The count's seed: one draw from generator (after none: torch's global generator; secure: the OS).
-        count_seed = None if secure_mode or generator is None else _seed_from(generator)
+        _check_generator(generator)
+        count_seed = None
+        if not secure_mode and generator is not None:
+            count_seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator).item())
         kwargs["clipper"] = build_adaptive_clipping(clipper, options, noise_seed=count_seed, secure_mode=secure_mode)
         super().__init__(
             optimizer,

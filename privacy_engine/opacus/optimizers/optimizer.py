@@ -19,10 +19,11 @@ from torch.optim import Optimizer
 from accountants.events import EventSpec
 from privacy_engine.noise import GaussianNoise, NoiseMechanism
 from privacy_engine.opacus._binding import optimizer_built
+from privacy_engine.opacus.grad_sample import RELEASED_FLAG, _OpacusStateDict
 from privacy_engine.settings_checks import check_unseeded_in_secure_mode
 from privacy_engine.training.optimizer import DPOptimizer as _DPOptimizer
 
-__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "_check_processed_flag", "_mark_as_processed"]
+__all__ = ["DPOptimizer", "DPPerLayerOptimizer", "_check_processed_flag", "_generate_noise", "_mark_as_processed"]
 
 _PROCESSED = "_processed"
 
@@ -45,13 +46,32 @@ def _check_processed_flag(obj: torch.Tensor | list[torch.Tensor]) -> None:
             )
 
 
-def _seed_from(generator: torch.Generator | None) -> int | None:
-    if generator is None:
-        return None
-    if not isinstance(generator, torch.Generator):
+def _generate_noise(std: float, reference: torch.Tensor, generator: torch.Generator | None = None,
+                    secure_mode: bool = False) -> torch.Tensor:  # fmt: skip
+    """Opacus's private helper, for scripts that import it: Gaussian noise of standard deviation ``std``
+    with ``reference``'s shape, dtype and device, drawn from ``generator`` (torch's global generator when
+    None); zeros when ``std`` is 0, ``ValueError`` when it is negative. With ``secure_mode`` the draw is
+    the mean of four draws scaled by 2 (the same distribution; Opacus's defence against floating-point
+    attacks). The engine's own noise step does not use it (``privacy_engine.noise``)."""
+    if std < 0:
+        raise ValueError(f"std must be >= 0; got {std!r}")
+    zeros = torch.zeros(reference.shape, device=reference.device, dtype=reference.dtype)
+    if std == 0:
+        return zeros
+    if not secure_mode:
+        return torch.normal(mean=0.0, std=float(std), size=reference.shape, device=reference.device,
+                            generator=generator).to(reference.dtype)  # fmt: skip
+    total = zeros
+    for _ in range(4):
+        total = total + torch.normal(mean=0.0, std=float(std), size=reference.shape, device=reference.device,
+                                     generator=generator).to(reference.dtype)  # fmt: skip
+    return total / 2
+
+
+def _check_generator(generator: torch.Generator | None) -> None:
+    # Opacus draws its noise from this generator; ours is seeded by one draw from it at the first step.
+    if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
-    # Opacus draws its noise from this generator; one draw from it seeds ours.
-    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
 class _SubclassNoise(NoiseMechanism):
@@ -117,7 +137,7 @@ class DPOptimizer(_DPOptimizer):
     ) -> None:
         custom_noise = type(self).add_noise is not DPOptimizer.add_noise
         check_unseeded_in_secure_mode("generator", generator, secure_mode=secure_mode)
-        seed = _seed_from(generator)
+        _check_generator(generator)
         if custom_noise:
             warnings.warn(
                 f"{type(self).__name__} overrides add_noise(): the accountant records the Gaussian mechanism with "
@@ -127,7 +147,9 @@ class DPOptimizer(_DPOptimizer):
             )
             kwargs["noise"] = _SubclassNoise(secure_mode=secure_mode)
         elif "noise" not in kwargs:
-            kwargs["noise"] = GaussianNoise(seed=seed, secure_mode=secure_mode)
+            kwargs["noise"] = GaussianNoise(seed=None, secure_mode=secure_mode)
+            if generator is not None:
+                kwargs["noise"].seed_lazily_from(generator)
         super().__init__(
             optimizer,
             noise_multiplier=noise_multiplier,
@@ -139,7 +161,9 @@ class DPOptimizer(_DPOptimizer):
         )
         if custom_noise:
             self.noise.optimizer = self
-            self._gaussian = GaussianNoise(seed=seed, secure_mode=secure_mode)
+            self._gaussian = GaussianNoise(seed=None, secure_mode=secure_mode)
+            if generator is not None and not secure_mode:
+                self._gaussian.seed_lazily_from(generator)
         # Opacus scripts never connect their pieces: the namespace connects a hand-built pair (opacus._binding).
         optimizer_built(self)
 
@@ -157,6 +181,35 @@ class DPOptimizer(_DPOptimizer):
         for param, grad in zip(params, noised):
             param.grad = grad.view_as(param)
             _mark_as_processed(param.summed_grad)
+
+    def step(self, closure: Any = None) -> Any:
+        """The engine's ``step`` (see ``privacy_engine.training.optimizer.DPOptimizer``); afterwards each
+        parameter's ``p.grad_sample`` is still readable, as in Opacus, until ``zero_grad()`` or the
+        next training forward.
+
+        Guarantee: nothing more is released than by the engine's ``step``. The per-sample gradients
+        kept are those the user could already read between ``backward()`` and ``step()``; they are
+        never used again: the next ``step()`` drops them before it clips anything (a second
+        ``step()`` without a new backward then finds nothing new and the step contract refuses it),
+        and the next training forward of this namespace's wrappers drops them before its backward
+        could add to them. They are kept only when every wrapper connected to this optimizer is one of this
+        namespace's (an engine wrapper would add the next batch's rows to them: there they are
+        cleared at ``step()`` as before).
+        """
+        # What an earlier step left for reading was released already: it must never be clipped again.
+        for param in self.params:
+            if getattr(getattr(param, "grad_sample", None), RELEASED_FLAG, False):
+                param.grad_sample = None
+        modules = list(self.contract.modules)
+        keep = bool(modules) and all(isinstance(module, _OpacusStateDict) for module in modules)
+        kept = {param: param.grad_sample for param in self.params if getattr(param, "grad_sample", None) is not None}
+        result = super().step(closure)
+        if keep:
+            for param, grad_sample in kept.items():
+                if getattr(param, "grad_sample", None) is None:
+                    setattr(grad_sample, RELEASED_FLAG, True)
+                    param.grad_sample = grad_sample
+        return result
 
     def _accounting_kwargs(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # What the engine records for the step being released, kept for accumulated_iterations (step hooks
