@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grad_samplers._convolution import ConvolutionForms, gram_is_cheaper, windowed_gram_squared_norms
+from grad_samplers._convolution import (
+    ConvolutionForms,
+    gram_is_cheaper,
+    patch_weight_grads,
+    patches_are_small,
+    windowed_gram_squared_norms,
+)
 from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -90,7 +96,20 @@ def _gram_weight_norms(layer: _ConvLayer, inputs: torch.Tensor, backprops: torch
     return windowed_gram_squared_norms(layer, padded, backprops)
 
 
-_FORMS = ConvolutionForms(weight_backward=_weight_backward, gram_weight_norms=_gram_weight_norms)
+def _patch_weight_grads(layer: _ConvLayer, inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor | None:
+    """``(B, *weight.shape)`` per-sample weight gradients ``G^T A`` through the patch matrix of the padded
+    input, or None where the grouped backward is expected faster (``patches_are_small``: more output
+    positions than output channels per group)."""
+    num_positions = math.prod(backprops.shape[2:])
+    if not patches_are_small(num_positions, layer.out_channels // layer.groups):
+        return None
+    padded, _ = _padded_input(layer, inputs, explicit=True)
+    return patch_weight_grads(layer, padded, backprops).reshape(backprops.shape[0], *layer.weight.shape)
+
+
+_FORMS = ConvolutionForms(
+    weight_backward=_weight_backward, gram_weight_norms=_gram_weight_norms, patch_weight_grads=_patch_weight_grads
+)
 _per_sample_weight_grads = _FORMS.per_sample_weight_grads  # (B, *weight.shape); the benchmarks time it
 
 

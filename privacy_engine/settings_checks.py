@@ -104,7 +104,7 @@ LOSS_REDUCTIONS = ("mean", "sum")
 PRIVACY_UNITS = ("example", "user")
 # "ew" (torch's expanded weights) computes the same exact per-sample gradients as the hooks here,
 # so it is an alias of "hooks"; "no_op" leaves per-sample gradients to the training loop.
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "ew", "no_op")
+GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ghost", "ew", "no_op")  # "auto": engine.mode_choice
 
 
 def _is_real(value: Any) -> bool:

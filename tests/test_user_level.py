@@ -333,7 +333,6 @@ def test_a_user_level_audit_with_gradient_canaries_stays_below_the_claimed_epsil
 
 # ---------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("settings,match", [
-    ({"grad_sample_mode": "ghost"}, "grad_sample_mode='hooks'"),
     ({"max_batch_size": 8}, "max_batch_size"),
     ({"poisson_sampling": False}, "poisson_sampling"),
     ({"audit": AuditConfig(num_canaries=4, kind="input", num_classes=3)}, "input"),
@@ -626,7 +625,8 @@ def test_the_automatic_mechanism_choice_calibrates_over_users():
     assert 3.5 < engine.get_epsilon(DELTA) <= 4.0 + 1e-9
 
 
-def test_user_level_with_ddp_is_refused_before_anything_is_wrapped(tmp_path):
+def test_user_level_with_a_one_rank_ddp_job_samples_every_user_at_the_global_rate(tmp_path):
+    """The 2-rank job is tests/test_user_level_ddp.py (slow); one rank owns every user."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -634,11 +634,13 @@ def test_user_level_with_ddp_is_refused_before_anything_is_wrapped(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(model)
-        with pytest.raises(ValueError, match="DDP is refused"):
-            PrivacyEngine().make_private(module=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1),
-                                         data_loader=DataLoader(dataset, batch_size=4), noise_multiplier=1.0,
-                                         max_grad_norm=1.0, privacy_unit="user", user_ids=user_ids)  # fmt: skip
-        assert not any(hasattr(p, "grad_sample") for p in model.parameters()) and not model._forward_hooks
+        _, optimizer, loader = PrivacyEngine().make_private(
+            module=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1), data_loader=DataLoader(dataset, batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, privacy_unit="user", user_ids=user_ids,
+        )  # fmt: skip
+        sampler = loader.batch_sampler
+        assert (sampler.rank, sampler.world_size) == (0, 1) and loader.distributed_job is not None
+        assert loader.sample_rate == 4 / 8 and optimizer.expected_batch_size == 4.0
     finally:
         dist.destroy_process_group()
 
@@ -662,3 +664,17 @@ def test_a_train_split_samples_only_its_own_examples_and_counts_only_its_users()
             rows = {int(i) for i in torch.nonzero((dataset.tensors[0][:, None] == x[None]).all(-1))[:, 0]}
             seen |= rows
     assert seen and seen <= set(split)
+
+
+def test_a_user_sampler_state_of_another_rank_is_refused():
+    """Each DDP rank samples its own users from its own stream: a state saved by another rank would give this
+    rank that rank's generator (both ranks' users included together)."""
+    assignment = user_assignment([i % 6 for i in range(18)], 18)
+    ranks = [UserPoissonBatchSampler(assignment, 0.5, examples_per_user=2, rank=r, world_size=2,
+                                     generator=torch.Generator().manual_seed(r)) for r in range(2)]  # fmt: skip
+    assert {int(u) % 2 for g in ranks[1]._local_groups for u in g} == {1}
+    rows = ranks[1]._draw(0)[0]
+    assert all(i % 6 % 2 == 1 for i in rows)  # rank 1 draws only the odd users' examples
+    with pytest.raises(ValueError, match="saved by rank 0 of 2"):
+        ranks[1].load_state_dict(ranks[0].state_dict())
+    ranks[1].load_state_dict(ranks[1].state_dict())

@@ -81,14 +81,15 @@ class PerformanceFlags:
     checking the guarantee may skip them; ``PrivacyOptions.performance`` gives a run's.
 
     Keyword Args:
-        grad_sample_mode: ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias of ``"hooks"``),
+        grad_sample_mode: ``"auto"`` (the default: hooks or ghost, chosen for the model by
+            ``engine.mode_choice``), ``"hooks"``, ``"functorch"``, ``"ew"`` (an alias of ``"hooks"``),
             ``"ghost"`` (fast clipping in the backward pass) or ``"no_op"`` (the loop sets
             ``p.grad_sample``): every mode clips each example's gradient to ``max_grad_norm``.
         grad_scaler: a ``torch.amp.GradScaler`` for fp16 loss scaling; clipping happens at the
             unscaled size, so the bound is the same with or without it.
     """
 
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "auto"
     grad_scaler: torch.amp.GradScaler | None = None
 
     def __post_init__(self) -> None:
@@ -149,7 +150,9 @@ class PrivacyOptions:
             optimizer, data_loader)`` in every mode (unlike Opacus, whose ghost mode also returns a
             wrapped criterion). ``"ew"`` is an alias of ``"hooks"`` (the same exact gradients; Opacus
             computes them differently). ``"no_op"``: the loop computes the per-sample gradients itself
-            and sets ``p.grad_sample`` (``ManualGradSampleModule``).
+            and sets ``p.grad_sample`` (``ManualGradSampleModule``). ``"auto"`` (the default): ghost for a
+            model with trainable convolutions whose every layer has a registered sampler (plain settings),
+            hooks otherwise; the rule, and the INFO log of the choice, are ``engine.mode_choice``'s.
         noise_mechanism: ``"gaussian"`` (DP-SGD), ``"bandmf"`` (banded matrix factorisation,
             Choquette-Choo et al. 2023, with cyclic Poisson sampling over ``num_bands`` groups), ``"blt"``
             (buffered-linear-Toeplitz noise, ``noise.blt``: ``num_buffers`` buffers per parameter, cyclic
@@ -195,9 +198,11 @@ class PrivacyOptions:
             with either ``loss_reduction``) is clipped to ``max_grad_norm`` once, the noisy sum is divided
             by the expected users per batch (``"mean"``), and each step is accounted as DP-SGD at rate
             ``q`` over users (BandMF, BLT and "auto": cyclic Poisson sampling over ``num_bands`` groups of
-            users, the mechanism's event with the user as the unit). Hooks, functorch and no_op modes; refused
-            (with why) with ghost mode, DDP, ``max_batch_size``, ``poisson_sampling=False``, adaptive clipping
-            and input canaries.
+            users, the mechanism's event with the user as the unit). Hooks, functorch, no_op and ghost modes
+            (ghost: each user's norm from its rows stacked, or its per-example gradients summed;
+            ``clipping.ghost.backward``); DDP (user ``u`` on rank ``u mod world_size``,
+            ``training.user_sampling.distributed_user_level_loader``); refused (with why) with
+            ``max_batch_size``, ``poisson_sampling=False``, adaptive clipping and input canaries.
             ``VirtualSteps`` cuts a logical batch between users only (micro-batches of a multiple of
             ``examples_per_user`` rows), so each user is still clipped once.
         user_ids: with ``privacy_unit="user"`` (required there, refused otherwise): the user of every
@@ -222,7 +227,7 @@ class PrivacyOptions:
     batch_first: bool = True
     noise_seed: int | None = None
     noise_generator: torch.Generator | None = None
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "auto"
     noise_mechanism: str | NoiseMechanism = "gaussian"
     num_bands: int | None = None
     bandmf_coefficients: Sequence[float] | None = None
@@ -501,9 +506,6 @@ class PrivacyOptions:
             "examples_per_user", 1 if self.examples_per_user is None else self.examples_per_user,
             what="the rows each sampled user contributes per step"))  # fmt: skip
         refusals = (
-            (self.grad_sample_mode == "ghost", (
-                "grad_sample_mode='ghost' (fast clipping computes per-example norms without the cross terms between "
-                "one user's examples that a user's norm needs); use grad_sample_mode='hooks'")),
             (self.max_batch_size is not None, "max_batch_size (truncated sampling of users is not implemented)"),
             (not self.poisson_sampling, "poisson_sampling=False (the accounting needs users Poisson-sampled)"),
             (self.adaptive_clipping is not None, (

@@ -33,6 +33,7 @@ from privacy_engine.engine.bands import check_num_bands, plan_bandmf
 from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
 from privacy_engine.engine.limits import check_accounted_steps
 from privacy_engine.engine.mechanism_choice import plan_auto, plan_blt
+from privacy_engine.engine.mode_choice import choose_grad_sample_mode
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.truncation import worst_group_size
@@ -45,7 +46,11 @@ from privacy_engine.training.data_loader import DPDataLoader, loader_index_set
 from privacy_engine.training.optimizer import DPOptimizer
 from privacy_engine.training.optimizer_arguments import check_wrapped_optimizer, trainable_parameters
 from privacy_engine.training.rewrap import plain_loader_for
-from privacy_engine.training.user_sampling import assignment_for_loader, user_level_loader
+from privacy_engine.training.user_sampling import (
+    assignment_for_loader,
+    distributed_user_level_loader,
+    user_level_loader,
+)
 
 __all__ = ["BuildClasses", "Plan", "make_plan"]
 
@@ -111,7 +116,7 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     check_unseeded_in_secure_mode("noise_generator", options.noise_generator, secure_mode=secure_mode)
     # A DDP-wrapped model is unwrapped (its inner module is hooked).
     model, job = distributed.unwrap(model, noise_seed=options.noise_seed, noise_generator=options.noise_generator,
-                                    secure_mode=secure_mode)  # fmt: skip
+                                    secure_mode=secure_mode, grad_sample_mode=options.grad_sample_mode)  # fmt: skip
     params = _check_parameters(model, optimizer)
     # Layers the core cannot handle (checked again by GradSampleModule, before it hooks anything).
     if isinstance(model, GradSampleModule):
@@ -119,6 +124,10 @@ def make_plan(options: PrivacyOptions, *, model: Any, optimizer: Any, data_loade
     problems = find_problems(model)
     if problems:
         raise UnsupportedModuleError("cannot compute per-sample gradients:\n- " + "\n- ".join(problems))
+    # grad_sample_mode="auto" (the default) becomes hooks or ghost here, once, and is logged (engine.mode_choice).
+    mode = choose_grad_sample_mode(model, options, distributed=job is not None)
+    if mode.mode != options.grad_sample_mode:
+        options = dataclasses.replace(options, grad_sample_mode=mode.mode)
     groups = _clipping_groups(model, params, options)
     # Input canaries are examples: appended before the loader's shape is read, so that the sample rate, the
     # steps of an epoch and the accounting are those of the enlarged dataset the private loader samples.
@@ -248,12 +257,11 @@ def _users(data_loader: DataLoader, options: PrivacyOptions, shape: LoaderShape,
            job: distributed.DistributedJob | None) -> tuple[UserAssignment | None, LoaderShape]:  # fmt: skip
     """``privacy_unit="user"``: the users of the loader's examples, and the loader's shape counted in users
     (the sampled unit: ``num_examples`` is the number of users, an epoch ``round(users / batch_size)``
-    steps). ``(None, shape)`` for examples. Refuses DDP and a batch size above the number of users."""
+    steps). ``(None, shape)`` for examples. Refuses a batch size above the number of users. Under DDP the
+    users are those of the whole dataset on every rank (``user_sampling.distributed_user_level_loader`` gives
+    each rank its own)."""
     if options.privacy_unit != "user":
         return None, shape
-    if job is not None:
-        raise ValueError("privacy_unit='user' with DDP is refused: users would have to be Poisson-sampled once for "
-                         "the whole job and each user's rows kept on one rank; not implemented. Use one process.")  # fmt: skip
     users = assignment_for_loader(data_loader, options.user_ids)
     if shape.batch_size > users.num_users:
         raise ValueError(
@@ -364,22 +372,26 @@ def _private_loader(data_loader: DataLoader, options: PrivacyOptions, shape: Loa
         # Every sampling choice straight from the OS (manual_seed would keep 32 bits of a seed); the
         # loader's own generator= is not used either.
         sampling_generator = SecureGenerator()
-    elif sampling_generator is None and data_loader.generator is not None:
-        # The user's DataLoader(generator=...) drives the sampling, as in Opacus (its worker seeds too).
-        sampling_generator = data_loader.generator
     elif sampling_generator is None:
-        # The loader's own generator, seeded by one draw from torch's global one (torch.manual_seed still
-        # makes the run reproducible): its state can be checkpointed, and other draws from the global
-        # generator (every DataLoader iterator takes one) do not shift the batches, so a resume is exact.
-        # Poisson sampling draws that seed at the first batch, so a torch.manual_seed after make_private
-        # counts; cyclic groups are drawn here (the truncation's calibration needs them), so seeded now.
+        # The sampler's own generator, seeded by one draw from the user's DataLoader(generator=...) when there
+        # is one (it drives the sampling, as in Opacus), else from torch's global generator (torch.manual_seed
+        # still makes the run reproducible). Its own state is checkpointed, and other draws from the source
+        # (every DataLoader iterator takes one for its base seed) do not shift the batches, so a resume is
+        # exact. Poisson sampling draws that seed at the first batch, so a (generator.)manual_seed after
+        # make_private counts; cyclic groups are drawn here (the truncation's calibration needs them) and
+        # user-level sampling shuffles each user's examples at construction: those are seeded now.
+        source = data_loader.generator
         sampling_generator = torch.Generator()
-        # (User-level sampling shuffles each user's examples at construction: seeded now as well.)
         if num_bands > 1 or options.max_batch_size is not None or users is not None:
-            sampling_generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+            sampling_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=source).item()))
         else:
             seed_lazily = True
     steps = shape.private_steps_per_epoch
+    if users is not None and job is not None:
+        # Each rank samples its own users (u mod world_size) at the global rate; collective (agrees on a seed).
+        return distributed_user_level_loader(data_loader, users, job, examples_per_user=options.examples_per_user,
+                                             shuffle=options.shuffle_user_examples, steps=steps,
+                                             num_groups=num_bands, secure=secure_mode)  # fmt: skip
     if users is not None:
         return user_level_loader(data_loader, users, examples_per_user=options.examples_per_user,
                                  shuffle=options.shuffle_user_examples, generator=sampling_generator, steps=steps,
@@ -395,7 +407,7 @@ def _private_loader(data_loader: DataLoader, options: PrivacyOptions, shape: Loa
     if options.poisson_sampling:
         private = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         if seed_lazily:
-            private.batch_sampler.seed_lazily()
+            private.batch_sampler.seed_lazily(source=data_loader.generator)
         return private
     return data_loader
 

@@ -112,11 +112,13 @@ class PrivacyEngine:
         ===========================  ===========================  ==============================
         grad_sample_mode             module                       per-example clipping
         ===========================  ===========================  ==============================
-        "hooks" (default), "ew",     ``GradSampleModule``         materialised per-sample
-        "functorch"                                               gradients, clipped at step()
+        "hooks", "ew", "functorch"   ``GradSampleModule``         materialised per-sample
+                                                                  gradients, clipped at step()
         "ghost"                      ``GhostClippingModule``      fast clipping inside the
                                                                   ordinary backward pass
         "no_op"                      ``ManualGradSampleModule``   the loop sets ``p.grad_sample``
+        "auto" (default)             ghost or hooks               ``engine.mode_choice``: ghost for
+                                                                  trainable convolutions, else hooks
         ===========================  ===========================  ==============================
 
         ``optimizer`` is the private optimizer (a ``DPOptimizer`` wrapping yours) and ``data_loader``

@@ -164,6 +164,7 @@ class PrivacyEngine(_PrivacyEngine):
         """The engine's ``entry_point`` with Opacus's return values: ``(module, optimizer,
         data_loader)``, with the criterion third in ghost mode."""
         settings = dict(settings)
+        settings.setdefault("grad_sample_mode", "hooks")  # Opacus's default (the engine's "auto" may pick ghost)
         criterion = settings.pop("criterion", None)  # not the engine's setting: read here only
         made_module, made_optimizer, made_loader = self._make_private(
             entry_point, module, optimizer, data_loader, settings

@@ -22,5 +22,7 @@ Where things are:
 * ``distributed_job.py``: one rank's view of the job: its process group, timeouts and collectives.
 * ``distributed_noise.py``: ``RankZeroNoise``, the noise of a global step (drawn on rank 0, then reduced).
 * ``distributed_sampling.py``: each rank's part of one global (cyclic) Poisson sample.
+* ``fsdp.py``: FSDP2 (``fully_shard``) models: ghost clipping in two backward passes, the clipped sum
+  reduce-scattered by FSDP, noise on each rank's shard (built by hand; ``make_private`` refuses FSDP).
 * ``rewrap.py``: a private loader given to ``make_private`` again, turned back into the plain loader it stands for.
 """

@@ -52,8 +52,9 @@ accountant is the same on every rank); the sampling state of all ranks is
 same file (``optimizer.load_state_dict``, ``load_distributed_state(loader, state)``). Save between
 steps: a clipped sum accumulated on another rank mid-step is not in rank 0's state.
 
-Not supported: FSDP / FSDP2 (``fully_shard``; sharded parameters would need per-example gradients
-of the unsharded weights), ``nn.DataParallel`` (replicas in threads), ``poisson_sampling=False``.
+Not supported here: FSDP1 (refused, pointing to ``fully_shard``), FSDP2 (``fully_shard``: refused by
+``make_private``; ghost clipping with sharded noise is built by hand with ``privacy_engine.training.fsdp``),
+``nn.DataParallel`` (replicas in threads), ``poisson_sampling=False``.
 
 This module: the model wrapper, ``make_private``'s wiring (``unwrap``, ``agree``, ``configure``),
 what pieces built by hand need (``current_job``, ``sampling_seed``, ``distributed_data_loader``) and
@@ -93,6 +94,7 @@ from privacy_engine.training.distributed_sampling import (
     DistributedPoissonBatchSampler,
     derived_seed,
 )
+from privacy_engine.training.fsdp import fsdp_problem
 
 __all__ = [
     "DistributedCyclicPoissonBatchSampler",
@@ -184,31 +186,19 @@ class PrivateDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _sharded_wrapper_problem(model: nn.Module) -> str | None:
+def _sharded_wrapper_problem(model: nn.Module, grad_sample_mode: str | None) -> str | None:
+    problem = fsdp_problem(model, grad_sample_mode)
+    if problem is not None:
+        return problem
     for path, module in model.named_modules():
-        where = repr(path) if path else "the model"
-        kind = type(module).__name__
-        try:
-            from torch.distributed.fsdp import FSDPModule
-
-            if isinstance(module, FSDPModule):
-                return f"{where} is sharded with FSDP2 (fully_shard, class {kind})"
-        except ImportError:
-            pass
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            if isinstance(module, FullyShardedDataParallel):
-                return f"{where} is wrapped in FullyShardedDataParallel"
-        except ImportError:
-            pass
         if isinstance(module, nn.DataParallel):
+            where = repr(path) if path else "the model"
             return f"{where} is wrapped in nn.DataParallel (replicas in threads)"
     return None
 
 
 def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: torch.Generator | None = None,
-           secure_mode: bool = False) -> tuple[nn.Module, DistributedJob | None]:  # fmt: skip
+           secure_mode: bool = False, grad_sample_mode: str | None = None) -> tuple[nn.Module, DistributedJob | None]:  # fmt: skip
     """The module to hook and, for a data-parallel model, this rank's ``DistributedJob``.
 
     ``make_private`` calls it first. No communication, nothing changed.
@@ -221,18 +211,21 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     a plain module, no process group / world 1    (model, None): single-process training
     a plain module, world size > 1                (model, None) and a warning: each rank trains
                                                   alone and reports its own epsilon
-    FSDP / FSDP2 (fully_shard) / DataParallel     NotImplementedError saying what is supported
+    FSDP1 (FullyShardedDataParallel)              NotImplementedError pointing to fully_shard
+    FSDP2 (fully_shard), grad_sample_mode         NotImplementedError: use "ghost"
+    other than "ghost"
+    FSDP2, "ghost"                                NotImplementedError naming privacy_engine.training.fsdp
+                                                  (not yet built by make_private)
+    DataParallel                                  NotImplementedError saying what is supported
     DDP inside the model                          ValueError: wrap the whole model once
     DDP of DDP                                    TypeError: wrap the model once
     ============================================  ==============================================
     """
-    problem = _sharded_wrapper_problem(model)
+    problem = _sharded_wrapper_problem(model, grad_sample_mode)
     if problem is not None:
         raise NotImplementedError(
-            f"{problem}: private training supports data parallelism with torch's DistributedDataParallel (or "
-            "PrivateDataParallel) only, in hooks, functorch and ghost modes. Sharded "
-            "parameters (FSDP) would need per-example gradients of the unsharded weights. Wrap the unsharded model "
-            "in DistributedDataParallel instead."
+            f"{problem}. (make_private supports data parallelism with torch's DistributedDataParallel or "
+            "PrivateDataParallel, in hooks, functorch and ghost modes.)"
         )
     wrappers = (DistributedDataParallel, PrivateDataParallel)
     if not isinstance(model, wrappers):

@@ -66,7 +66,10 @@ class ReleaseChecks:
             )
             raise RuntimeError(
                 f"this step would release gradients of data that the private loader did not draw: {why}. The "
-                f"accounting covers only the sampled batches; nothing was released or counted."
+                f"accounting covers only the sampled batches; nothing was released or counted. (A training framework "
+                f"that feeds its own batches needs its integration: a Hugging Face Trainer "
+                f"privacy_engine.integrations.hf_trainer.DPTrainer, PyTorch Lightning "
+                f"privacy_engine.integrations.lightning.DPStrategy.)"
             )
         if release.num_draws == 0 and not release.untracked and not self.clipper.has_accumulated:
             stray = [i for i, p in enumerate(self._all_params) if p.requires_grad and self._has_stray_gradient(p)]

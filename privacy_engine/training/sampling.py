@@ -89,15 +89,18 @@ class _DPBatchSampler(Sampler[list[int]]):
         #: Seed ``generator`` by one draw from torch's global generator at the first batch drawn (``seed_lazily``).
         self.seed_pending = False
 
-    def seed_lazily(self) -> None:
-        """Seed this sampler's own generator by one draw from torch's global generator when the first batch is
-        drawn, not now: ``torch.manual_seed`` called after the loader is built (after ``make_private``) still
+    def seed_lazily(self, source: torch.Generator | None = None) -> None:
+        """Seed this sampler's own generator by one draw from ``source`` (``None``: torch's global generator)
+        when the first batch is drawn, not now: ``torch.manual_seed`` called after the loader is built (after ``make_private``) still
         makes the batches repeat, while the generator stays the sampler's own (its state is checkpointed and
         other users of the global generator do not shift the batches once it is seeded). ``ValueError`` for a
         sampler with no own generator (``None``: the global one) or a secure one (OS randomness, never seeded)."""
         generator = getattr(self, "generator", None)
         if generator is None or is_secure_generator(generator):
             raise ValueError("seed_lazily needs the sampler's own torch.Generator (not None, not a secure one)")
+        if source is generator:
+            raise ValueError("seed_lazily: the source must not be the sampler's own generator")
+        self._seed_source = source
         self.seed_pending = True
 
     def __len__(self) -> int:
@@ -110,7 +113,8 @@ class _DPBatchSampler(Sampler[list[int]]):
         start = self._next_step
         for step in range(start, start + self.steps):
             if self.seed_pending:
-                self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()))
+                source = getattr(self, "_seed_source", None)
+                self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=source).item()))
                 self.seed_pending = False
             indices, padding_mask = self._draw(step)
             self._next_step = step + 1

@@ -95,7 +95,7 @@ class AttentionDecomposition:
 
         # batch_dim 0: the decomposition runs its projections batch first, whatever the module's layout.
         use = Use(path=path, layer=layer, parts=tuple(parts), activations=(inputs.detach(),),
-                   norms=norms, sums=sums, grads=per_sample, batch_dim=0)
+                   norms=norms, sums=sums, grads=per_sample, batch_dim=0, stacks_users=True)
         return self._gate_output(use, output, True, (inputs,))
 
     def _attention_call(self, path, attention: nn.MultiheadAttention, query, key, value, *, key_padding_mask,

@@ -12,6 +12,15 @@ binding that the forward's backward has run (``_backward_finished_by_clipping``)
 and hands the sums to the clipper. A reentrant checkpoint's recomputation (``capture.recompute``) starts the
 pass from the outer backward (``_prepare_recompute_pass``) and adds the recomputed calls' shared parameters
 when the nested backward reaches them (``_pass_for_backward``).
+
+User-level passes (``privacy_unit="user"``: the pass's ticket says which ``k`` consecutive rows are one user's,
+``clipping.per_user.user_rows``): every norm, clip factor and materialised gradient is per user. A layer whose
+norm form accepts stacked users (``Use.stacks_users``: linear maps, embeddings, LayerNorm, attention's
+projections) gets the norm of each user's summed gradient from its norm form on the ``(U, k, ...)`` view of its
+inputs and output gradient (the cross terms between a user's examples included); any other layer (convolutions,
+GroupNorm, the ``torch.func`` fallback, shared parameters, root parameters) forms its per-example gradients and
+sums each user's ``k`` rows before the norm. The weighted sums then weight each row by its user's factor:
+``sum_u f_u sum_{i in u} g_i``, the users' clipped gradients summed.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from privacy_engine.clipping.ghost.uses import (
     tensor_bytes,
     zero_rows,
 )
+from privacy_engine.clipping.per_user import UserRows, user_rows
 from privacy_engine.models.validation import module_label
 
 __all__ = ["BackwardPasses"]
@@ -45,10 +55,42 @@ class BackwardPasses:
     def _current_pass(self) -> BackwardPass:
         passes = self._passes
         if passes.current is None:
+            users = self._users_of_pass()  # raises before the pass starts
             live = [use for use in list(passes.pending) if not use.consumed]
             passes.current = BackwardPass(shared_parameters(live))
+            passes.current.users = users
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         return passes.current
+
+    def _users_of_pass(self) -> UserRows | None:
+        """The user layout of the pass about to start (its forward's ticket; None: examples). ``ValueError``
+        when the bound optimizer is user-level and the batch is not a user-level draw (each row would be
+        clipped alone: a user's rows could add up to ``k`` times the bound), ``UserSplitError`` for a slice
+        that cuts a user; both before anything of the pass is kept."""
+        ticket = self._forward_ticket if self._consumer is not None else None
+        users = user_rows(ticket)
+        if users is None and getattr(self._consumer, "privacy_unit", "example") == "user":
+            raise ValueError(
+                "ghost clipping: a backward pass of no user-level batch reached a user-level optimizer "
+                "(privacy_unit='user'): clipped per example, one user's rows could add up to examples_per_user * "
+                "max_grad_norm. Nothing was clipped. Run the model (the module make_private returned) on the "
+                "batches of its private loader."
+            )
+        return users
+
+    @staticmethod
+    def _per_user(state: BackwardPass, use: Use, per_example: torch.Tensor) -> torch.Tensor:
+        """``per_example`` ``(B, ...)`` as the pass keeps it: unchanged for examples, each user's rows summed
+        ``(U, ...)`` in a user-level pass (``ValueError`` if the layer saw other rows than the ticket's)."""
+        users = state.users
+        if users is None:
+            return per_example
+        if per_example.shape[0] != users.num_rows:
+            raise ValueError(
+                f"ghost clipping: {module_label(use.path, use.layer)} saw {per_example.shape[0]} examples but the "
+                f"user-level batch has {users.num_rows} rows ({users.num_users} users of {users.rows_per_user})"
+            )
+        return users.sum_rows(per_example)
 
     def _prepare_recompute_pass(self) -> None:
         """A reentrant checkpoint is recomputing a forward (``capture.recompute``): its gated calls' output
@@ -104,25 +146,40 @@ class BackwardPasses:
         # is smaller: when the per-example gradients are the smaller, forming them also costs no more
         # than a norm plus a second weight-gradient product for the sum (the direct form).
         shared = any(param in state.shared for param, _ in use.parts)
-        per_sample_bytes = batch_size * grads.element_size() * sum(math.prod(row_shape(p, r)) for p, r in use.parts)
+        users = state.users
+        # Rows kept per materialised gradient: a user-level pass keeps each user's sum.
+        kept_rows = batch_size if users is None else users.num_users
+        per_sample_bytes = kept_rows * grads.element_size() * sum(math.prod(row_shape(p, r)) for p, r in use.parts)
         held_bytes = sum(tensor_bytes(value) for value in (grads, *activations))
         keep_per_sample = per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
-        if shared or use.norms is None or keep_per_sample:
+        # A user's norm needs the cross terms between its examples: a norm form that does not take a user's
+        # rows stacked cannot give it, so those layers form their per-example gradients and sum them per user.
+        no_user_norm_form = users is not None and not use.stacks_users
+        if shared or use.norms is None or keep_per_sample or no_user_norm_form:
             per_sample = use.grads(activations, grads)
             check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *row_shape(p, r)))
+            per_sample = {param: self._per_user(state, use, value) for param, value in per_sample.items()}
             if shared or keep_per_sample:
                 for param, rows in use.parts:
                     state.add_materialised(param, rows, per_sample[param])
                 return
-            # No norm-only form and large per-example gradients: reduce them to norms, free them, and
-            # form the sum later from the kept inputs and output gradient.
+            # No (per-user) norm-only form and large per-example gradients: reduce them to norms, free them,
+            # and form the sum later from the kept inputs and output gradient.
             for param, _ in use.parts:
-                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].reshape(batch_size, -1), dim=1).square())
+                state.add_squared(param, torch.linalg.vector_norm(per_sample[param].reshape(kept_rows, -1), dim=1).square())
             del per_sample
-            state.deferred.append((use, partial(_weighted_sum_by_materialising, use.grads), activations, grads))
+            weighted_sums = use.sums if use.norms is not None else partial(_weighted_sum_by_materialising, use.grads)
+            state.deferred.append((use, weighted_sums, activations, grads))
             return
-        squared = use.norms(activations, grads)
-        check_sampler_result("norm", use, squared, lambda p, r: (batch_size,))
+        if users is not None:
+            if batch_size != users.num_rows:
+                self._per_user(state, use, grads)  # raises: the layer saw other rows than the ticket's
+            # Each user's k examples as one example: the norm form then sums over all of the user's positions.
+            squared = use.norms(tuple(users.stack(a) for a in activations), users.stack(grads))
+            check_sampler_result("norm", use, squared, lambda p, r: (users.num_users,))
+        else:
+            squared = use.norms(activations, grads)
+            check_sampler_result("norm", use, squared, lambda p, r: (batch_size,))
         for param, _ in use.parts:
             state.add_squared(param, squared[param])
         state.deferred.append((use, use.sums, activations, grads))
@@ -134,7 +191,7 @@ class BackwardPasses:
             state.reached.append(use)
         use.consumed = True
         state.note_batch(use, grads.shape[0])
-        state.add_materialised(param, None, grads)
+        state.add_materialised(param, None, self._per_user(state, use, grads))
 
     def _finish_pass(self) -> None:
         self._backward_finished_by_clipping()
@@ -154,6 +211,8 @@ class BackwardPasses:
             raise ValueError(
                 f"padding_mask has shape {tuple(padding_mask.shape)}; expected ({batch_size},), one flag per example"
             )
+        if state.users is not None:
+            padding_mask = state.users.user_padding(padding_mask)  # norms and factors are per user from here on
         # The output gradients were kept unscaled: fold the loss reduction's factor into norms and weights.
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         # fp16 loss scaling (an attached GradScaler): the output gradients are S times the true ones.
@@ -211,7 +270,9 @@ def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, g
 
 def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_finite: bool) -> dict:
     """``{param: sum_i weights[i, group(param)] g_i}`` over the layers ``state`` deferred and the
-    per-example gradients it materialised (``weights``: the clip factors times the gradients' scale)."""
+    per-example gradients it materialised (``weights``: the clip factors times the gradients' scale). In a
+    user-level pass ``weights`` and the materialised gradients are per user, and a deferred layer's rows take
+    their user's weight."""
     sums: dict[nn.Parameter, torch.Tensor] = {}
     deferred, state.deferred = state.deferred, []
     deferred.reverse()
@@ -223,7 +284,7 @@ def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_
         for param, rows in use.parts:
             columns.setdefault(clipper.group_index(param), []).append((param, rows))
         for column, parts in columns.items():
-            column_weights = weights[:, column]
+            column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
             column_activations, column_grads = activations, grads
             if drop_non_finite:
                 keep = column_weights != 0

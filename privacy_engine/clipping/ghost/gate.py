@@ -25,6 +25,7 @@ from privacy_engine.capture.batch_size import expand_batch
 from privacy_engine.capture.patched_forward import PatchedForward
 from privacy_engine.capture.recompute import NON_REENTRANT, REENTRANT
 from privacy_engine.clipping.ghost.uses import Use, in_float32
+from privacy_engine.clipping.per_user import stacks_users
 from privacy_engine.models.validation import module_label
 
 __all__ = ["GatedLayers"]
@@ -119,14 +120,16 @@ class GatedLayers:
 
     @staticmethod
     def _gate_samplers(layer: nn.Module, sampler: GradSampler) -> tuple:
-        """(norms, sums, grads) of ``layer``: its samplers bound to it, in float32 at least (see in_float32);
-        norms and sums None without a norm form."""
+        """(norms, sums, grads, stacked) of ``layer``: its samplers bound to it, in float32 at least (see
+        in_float32); norms and sums None without a norm form; ``stacked``: its norm form gives a user's norm from
+        the user's rows stacked (``clipping.per_user.stacks_users``)."""
         norm_sampler = norm_sampler_for(layer)
         sum_sampler = weighted_sum_sampler_for(layer)
         has_norm_form = norm_sampler is not None and sum_sampler is not None
         norms = in_float32(partial(norm_sampler, layer)) if has_norm_form else None
         sums = in_float32(partial(sum_sampler, layer)) if has_norm_form else None
-        return norms, sums, in_float32(partial(sampler, layer))
+        stacked = has_norm_form and stacks_users(layer, norm_sampler)
+        return norms, sums, in_float32(partial(sampler, layer)), stacked
 
     def _gated_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
         """The forward of a sampled layer (``patched.module``): its output through the gate."""
@@ -142,7 +145,7 @@ class GatedLayers:
             return original(*args, **kwargs)
         if patched.derived is None:
             patched.derived = self._gate_samplers(layer, patched.context["sampler"])
-        norms, sums, grads = patched.derived
+        norms, sums, grads, stacked = patched.derived
         if kwargs:
             bound = inspect.signature(original).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -181,5 +184,6 @@ class GatedLayers:
             sums=sums,
             grads=grads,
             batch_dim=dim,
+            stacks_users=stacked,
         )
         return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args)

@@ -39,8 +39,14 @@ wrapper and its clipper.
 Memory: the inputs and output gradients of the layers that keep them are held until the end of the
 backward pass instead of being freed layer by layer; each is freed as soon as its layer's sum is formed.
 
-Not supported: per-user clipping (``group_ids``: an example group's norm would need cross terms between
-its examples), a forward during a backward pass other than activation checkpointing's recomputation
+User-level DP (``privacy_unit="user"``): a pass whose batch is a user-level draw (its ticket names the user of
+each row, ``k`` consecutive rows per user) clips each user's summed gradient once: the norm of the sum, cross
+terms between the user's examples included, from each layer's norm form on the user's rows stacked where the
+form allows it and from its per-example gradients summed per user otherwise (``backward.py``).
+
+Not supported: arbitrary ``group_ids`` (``clip_and_accumulate(group_ids=...)`` needs materialised per-sample
+gradients; user-level batches are the supported grouping), a forward during a backward pass other than
+activation checkpointing's recomputation
 (``capture.recompute``; with ``use_reentrant=True`` a parameter used both inside a recomputed region and
 elsewhere, found only as the nested backward reaches it, raises: use ``use_reentrant=False``).
 
@@ -101,6 +107,9 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     activation checkpointing          same norms and sums as without it (``capture.recompute``)
     norm NaN/Inf                      factor 0: the example contributes exactly zero (whole;
                                       the materialised path with nan_safe keeps finite entries)
+    user-level batch (ticket with     norms, factors and statistics per user: each user's summed
+    users)                            gradient clipped once (``clipping.per_user.user_rows``);
+                                      a slice cutting a user: ``UserSplitError`` in backward
     ``set_padding_mask(mask)``        masked examples contribute zero (next backward only)
     several backward passes           each adds to the clipper (virtual steps)
     frozen parameter                  not gated, no norm, no sum

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from privacy_engine.clipping.per_user import UserRows
 from privacy_engine.models.validation import module_label
 
 __all__ = [
@@ -57,6 +58,8 @@ class Use:
     ``norms``/``sums`` None when only materialising is possible. A fallback call has no functions:
     its per-example gradients arrive through hooks. ``batch_dim``: where the examples sit in ``activations``
     and in the output gradient (the layer's own layout; 0 for attention's projections, which run batch first).
+    ``stacks_users``: ``norms`` gives a user's squared norm from its rows stacked as one example
+    (``clipping.per_user.stacks_users``; user-level passes only).
     """
 
     path: str
@@ -70,6 +73,7 @@ class Use:
     grad_shape: torch.Size | None = None
     generation: int = 0  # the training forward this call belongs to (see StepContractBinding._check_live)
     batch_dim: int = 0
+    stacks_users: bool = False
 
 
 def shared_parameters(uses: Sequence[Use]) -> set:
@@ -102,6 +106,8 @@ class BackwardPass:
         self.deferred: list[tuple[Use, Callable, tuple, torch.Tensor]] = []  # (use, sums, activations, G)
         self.materialised: dict[nn.Parameter, torch.Tensor] = {}  # (B, *param.shape), unscaled
         self.reached: list[Use] = []  # the calls whose backward ran in this pass (sharing with recomputed calls)
+        # A user-level pass (clipping.per_user.UserRows): norms, factors and materialised gradients are per user.
+        self.users: UserRows | None = None
 
     def note_batch(self, use: Use, batch_size: int) -> None:
         """Record the batch size of a layer the pass reached; ``ValueError`` if it differs from the first
