@@ -91,11 +91,12 @@ def patches_are_small(num_positions: int, outputs_per_group: int) -> bool:
 
     The patch matrix holds ``L*D`` values per example and group, the gradients it yields ``P*D``: when
     ``L <= P`` building it costs at most the memory of the result it produces. The grouped backward
-    runs ``B*groups`` small convolutions whose cost per output value grows as ``L`` shrinks; measured
-    (``benchmarks/bench_resnet18.py --layers``, CPU, 1 thread, resnet18 at 64x64, batch 32) the patch form
-    is 1.2-3.5x faster at every layer with ``L <= P`` (4 to 64 positions, 128 to 512 outputs) and the
-    grouped backward 1.3-2.2x faster at the two shapes with ``L > P`` (256 and 1024 positions, 64 outputs),
-    where the patch matrix would be 4-16 times the result.
+    runs ``B*groups`` small convolutions whose cost per output value grows as ``L`` shrinks. Measured
+    (``benchmarks/bench_resnet18.py --layers``, CPU, 1 thread, resnet18 at 64x64, batch 32, loaded machine):
+    with ``L <= P`` the patch form is 2-3.5x faster at 4 and 16 positions (256-512 outputs, the layers that
+    dominate) and even with the grouped backward at 64 positions (128 outputs); with ``L > P`` the grouped
+    backward is 2.8x faster at 256 positions (64 outputs) and even at 1024 (the stem), where the patch
+    matrix would be 4-16 times the result. Both forms are exact to float rounding.
     """
     return num_positions <= outputs_per_group
 

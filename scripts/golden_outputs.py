@@ -68,7 +68,9 @@ def _private_runs(out: dict) -> None:
     _train("hooks", _mlp, (6,), out, noise_multiplier=1.1, max_grad_norm=1.0)
     _train("ghost", _mlp, (6,), out, noise_multiplier=1.1, max_grad_norm=1.0, grad_sample_mode="ghost")
     _train("per_layer", _mlp, (6,), out, noise_multiplier=1.1, max_grad_norm=[0.5, 0.5, 0.5, 0.5], clipping="per_layer")
-    _train("conv", _conv_model, (2, 5, 5), out, noise_multiplier=0.9, max_grad_norm=0.7, accountant="pld")
+    # Hooks named: recorded when hooks was the default; the default ("auto") now takes ghost for a CNN.
+    _train("conv", _conv_model, (2, 5, 5), out, noise_multiplier=0.9, max_grad_norm=0.7, accountant="pld",
+           grad_sample_mode="hooks")  # fmt: skip
     _train("bandmf", _mlp, (6,), out, noise_multiplier=1.3, max_grad_norm=1.0, noise_mechanism="bandmf",
            num_bands=2, total_steps=8, accountant="pld")  # fmt: skip
     _train("truncated", _mlp, (6,), out, noise_multiplier=1.2, max_grad_norm=1.0, max_batch_size=20,

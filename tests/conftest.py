@@ -136,3 +136,55 @@ def module_fingerprint(model: nn.Module) -> dict:
         if name.startswith("_global_") and isinstance(getattr(torch.nn.modules.module, name), dict)
     }
     return {"modules": modules, "parameters": parameters, "global_hooks": global_hooks}
+
+
+def run_rank_job(worker, world_size: int, out, time_limit_s: float) -> tuple[list[dict], list[str], list[int]]:
+    """Spawn ``world_size`` processes ``python worker RANK WORLD_SIZE OUT`` (gloo on loopback, one thread each),
+    wait at most ``time_limit_s`` (then kill them all and fail: the test always ends), and return what each rank
+    wrote to ``OUT/rank{r}.pt`` (read with ``weights_only=True``), the ranks' logs and their exit codes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    processes = [
+        subprocess.Popen([sys.executable, str(worker), str(rank), str(world_size), str(out)], env=env, cwd=root,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world_size)
+    ]  # fmt: skip
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=time_limit_s)[0])
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        pytest.fail(f"the job of {world_size} ranks ({Path(worker).name}) did not end within {time_limit_s} s")
+    results = []
+    for rank in range(world_size):
+        path = Path(out) / f"rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
+        results.append(torch.load(path, weights_only=True))
+    return results, logs, [process.returncode for process in processes]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A test module that changes torch's default dtype when imported would change every test after it."""
+    if torch.get_default_dtype() != torch.float32:
+        raise pytest.UsageError(
+            f"torch's default dtype is {torch.get_default_dtype()} after collection: a test module sets it at import "
+            "(set it inside the test or the worker's main instead)"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_left_as_found():
+    """Fail a test that leaves torch's default dtype changed (and restore it, so later tests are unaffected)."""
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"the test left torch's default dtype at {after} (was {before})")

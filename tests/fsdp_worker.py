@@ -215,7 +215,7 @@ def refusals() -> dict:
     result: dict = {}
     model = sharded(mlp(), [])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for mode in ("hooks", "ghost"):
+    for mode in ("hooks", "ghost", "auto"):
         try:
             PrivacyEngine().make_private(module=model, optimizer=optimizer,
                                          data_loader=DataLoader(IndexedData(20), batch_size=4),

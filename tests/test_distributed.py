@@ -10,14 +10,12 @@ process, without communication, over many steps.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import dp_accounting
 import pytest
 import torch
+from conftest import run_rank_job
 from torch import nn
 
 from privacy_engine.noise import BandMFNoise, BLTNoise, BLTStrategy, GaussianNoise
@@ -39,32 +37,13 @@ DELTA = 1e-5
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, list[int]]:
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, str(WORKER), "RANK", str(WORLD_SIZE), str(out)]
-    processes = [
-        subprocess.Popen([str(rank) if c == "RANK" else c for c in command], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=JOB_TIME_LIMIT_S)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the distributed job did not end within {JOB_TIME_LIMIT_S} s")
-    results = []
-    for rank in range(WORLD_SIZE):
-        path = out / f"rank{rank}.pt"
-        assert path.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
-        results.append(torch.load(path, weights_only=True))
+    results, logs, returncodes = run_rank_job(WORKER, WORLD_SIZE, out, JOB_TIME_LIMIT_S)
     rank0, rank1 = results
     assert "traceback" not in rank0, rank0["traceback"]
     # Rank 1 raises on purpose in the last scenario, and nowhere else.
     assert "rank 1 failed on purpose" in rank1.get("traceback", ""), logs[1][-3000:]
     assert "stalled" in rank1, rank1["traceback"]
-    return rank0, rank1, [p.returncode for p in processes]
+    return rank0, rank1, returncodes
 
 
 def both(job, scenario: str) -> tuple[dict, dict]:

@@ -10,14 +10,13 @@ tested in process, without communication.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import dp_accounting
 import pytest
 import torch
+from conftest import run_rank_job
 from torch import nn
 
 from privacy_engine.training.fsdp import FSDPGhostClipping, FSDPPrivateStep, ShardNoise, fsdp_problem
@@ -48,25 +47,7 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """What every rank saw (a list indexed by rank), for a job of 2 and of 4 ranks."""
     world_size = request.param
     out = tmp_path_factory.mktemp(f"fsdp{world_size}")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world_size), str(out)], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(world_size)
-    ]  # fmt: skip
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=JOB_TIME_LIMIT_S)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the FSDP job of {world_size} ranks did not end within {JOB_TIME_LIMIT_S} s")
-    results = []
-    for rank in range(world_size):
-        path = out / f"rank{rank}.pt"
-        assert path.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
-        results.append(torch.load(path, weights_only=True))
+    results, logs, _ = run_rank_job(WORKER, world_size, out, JOB_TIME_LIMIT_S)
     for rank, result in enumerate(results):
         # Rank 1 raises on purpose in the last scenario, and nowhere else.
         if rank == 1:
@@ -228,6 +209,7 @@ def test_make_private_refuses_sharded_models_naming_what_to_do(job):
     refusals = job[0]["refusals"]
     assert "FSDP2" in refusals["hooks"] and "grad_sample_mode='ghost'" in refusals["hooks"]
     assert "privacy_engine.training.fsdp" in refusals["ghost"]
+    assert refusals["auto"] == refusals["ghost"]  # the default mode: only ghost clipping could run sharded
     if "unavailable" in refusals["fsdp1"]:
         pytest.skip(f"FSDP1 on CPU unavailable here: {refusals['fsdp1']['unavailable']}")
     assert "FullyShardedDataParallel (FSDP1)" in refusals["fsdp1"]["error"]

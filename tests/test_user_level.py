@@ -678,3 +678,23 @@ def test_a_user_sampler_state_of_another_rank_is_refused():
     with pytest.raises(ValueError, match="saved by rank 0 of 2"):
         ranks[1].load_state_dict(ranks[0].state_dict())
     ranks[1].load_state_dict(ranks[1].state_dict())
+
+
+def test_each_ddp_rank_samples_its_users_from_a_stream_of_its_own():
+    """Rank 0's seed is broadcast and keyed by rank: equal streams on two ranks would include their users
+    together (not independently). A stand-in job: the broadcast returns the proposal (rank 0's)."""
+    from types import SimpleNamespace
+
+    from privacy_engine.training.user_sampling import distributed_user_level_loader
+
+    dataset, user_ids, _ = make_setup(num_examples=40, num_users=10)
+    assignment = user_assignment(user_ids, 40)
+
+    def states(rank):
+        job = SimpleNamespace(sampling_seed=5, rank=rank, world_size=2, loader_step=None,
+                              broadcast_int=lambda value, what: value)  # fmt: skip
+        loader = distributed_user_level_loader(DataLoader(dataset, batch_size=4), assignment, job, examples_per_user=2)
+        assert loader.distributed_job is job and job.loader_step() == -1 and loader.expected_batch_size == 4.0
+        return loader.batch_sampler.generator.get_state()
+
+    assert torch.equal(states(0), states(0)) and not torch.equal(states(0), states(1))

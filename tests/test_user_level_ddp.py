@@ -9,14 +9,12 @@ ones (rate ``q`` over users, the global expected batch size), so the accounting 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import per_example_reference
+from conftest import per_example_reference, run_rank_job
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,27 +29,9 @@ import user_level_ddp_worker as worker
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("user_ddp")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(WORLD_SIZE), str(out)], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=JOB_TIME_LIMIT_S)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the distributed job did not end within {JOB_TIME_LIMIT_S} s")
-    results = []
-    for rank in range(WORLD_SIZE):
-        path = out / f"rank{rank}.pt"
-        assert path.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
-        result = torch.load(path, weights_only=True)
+    results, _, _ = run_rank_job(WORKER, WORLD_SIZE, out, JOB_TIME_LIMIT_S)
+    for result in results:
         assert "traceback" not in result, result["traceback"]
-        results.append(result)
     return results
 
 

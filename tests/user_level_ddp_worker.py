@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from privacy_engine import PrivacyEngine
 
-torch.set_default_dtype(torch.float64)
 NUM_EXAMPLES, NUM_USERS, EXPECTED_USERS, K, STEPS = 40, 10, 4, 2, 4
 
 
@@ -33,7 +32,7 @@ def data() -> tuple[TensorDataset, list[int]]:
     """(features, label, index) and the user of each example (uneven counts); the same on every rank and in the
     test."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(NUM_EXAMPLES, 5, generator=generator) * 3
+    x = torch.randn(NUM_EXAMPLES, 5, generator=generator, dtype=torch.float64) * 3
     y = torch.randint(0, 3, (NUM_EXAMPLES,), generator=generator)
     user_ids = (torch.arange(NUM_EXAMPLES) * 7 % NUM_USERS).tolist()
     return TensorDataset(x, y, torch.arange(NUM_EXAMPLES)), user_ids
@@ -41,7 +40,7 @@ def data() -> tuple[TensorDataset, list[int]]:
 
 def mlp() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    return nn.Sequential(nn.Linear(5, 6, dtype=torch.float64), nn.Tanh(), nn.Linear(6, 3, dtype=torch.float64))
 
 
 def run(mode: str) -> dict:
@@ -69,6 +68,7 @@ def run(mode: str) -> dict:
 def main() -> None:
     rank, world_size, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
     results: dict = {}

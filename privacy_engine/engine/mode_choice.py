@@ -7,8 +7,7 @@ the user can read back (hooks: ``p.grad_sample``; ghost: only the clipped sum). 
 the model and settings                                    mode      why
 ========================================================  ========  =============================================
 ``grad_sample_mode`` named                                as named  the user's choice
-``privacy_unit="user"``, ``clipping`` not ``"flat"``,     hooks     the paths these were built and tested on
-``max_batch_size``, ``audit`` or DDP
+user-level, non-flat clipping, truncation, audit, DDP     hooks     the paths these were built and tested on
 a trainable layer with no registered sampler              hooks     ghost would materialise through the
                                                                     ``torch.func`` fallback anyway
 no trainable convolution                                  hooks     the long-standing default (ghost is often
@@ -17,7 +16,7 @@ trainable convolutions, every layer with a sampler        ghost     per-sample g
                                                                     weights: a CNN's deep layers (few positions,
                                                                     many channels) make them far costlier than
                                                                     the plain step (resnet18, 64x64, batch 32,
-                                                                    CPU: hooks ~4-5x plain, ghost ~1.6x)
+                                                                    CPU: hooks ~4x plain, ghost ~1.6x)
 ========================================================  ========  =============================================
 
 The choice and its reason are logged (INFO, ``privacy_engine.engine.mode_choice``) and the plan's

@@ -96,9 +96,9 @@ def fsdp_problem(model: nn.Module, grad_sample_mode: str | None) -> str | None:
     ============================================  ==========================================================
     not sharded                                   None
     FullyShardedDataParallel (FSDP1) anywhere     message: shard with ``fully_shard`` (FSDP2) instead
-    FSDP2, grad_sample_mode other than "ghost"    message: per-example gradients are not formed on shards;
+    FSDP2, "hooks", "functorch", "ew", "no_op"    message: per-example gradients are not formed on shards;
                                                   use grad_sample_mode="ghost"
-    FSDP2, grad_sample_mode="ghost"               message: build the step by hand with this module (not
+    FSDP2, "ghost", "auto" or None                message: build the step by hand with this module (not
                                                   yet wired into make_private)
     ============================================  ==========================================================
     """
@@ -114,7 +114,7 @@ def fsdp_problem(model: nn.Module, grad_sample_mode: str | None) -> str | None:
             )
     if not is_fsdp2(model):
         return None
-    if grad_sample_mode != "ghost":
+    if grad_sample_mode not in (None, "auto", "ghost"):
         return (
             f"the model is sharded with FSDP2 (fully_shard) and grad_sample_mode={grad_sample_mode!r}: that mode "
             "forms per-example gradients of every parameter, whose unsharded copies FSDP2 frees after each layer. "
@@ -291,7 +291,9 @@ class FSDPGhostClipping:
                 f"layers {repeated} ran more than once in one forward: their per-example norms need cross terms "
                 "between the calls, not supported under FSDP"
             )
-        low = sorted({str(t.dtype) for _, _, _, t, _ in calls if t.is_floating_point() and torch.finfo(t.dtype).bits < 32})
+        low = sorted(
+            {str(t.dtype) for _, _, _, t, _ in calls if t.is_floating_point() and torch.finfo(t.dtype).bits < 32}
+        )
         if low or (losses.is_floating_point() and torch.finfo(losses.dtype).bits < 32):
             # Norms and clip factors from 16-bit outputs and output gradients would hold the bound only up to
             # 16-bit rounding; refused (before any gradient) until they are computed in float32.

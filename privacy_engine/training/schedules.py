@@ -225,91 +225,110 @@ class GradClipScheduler(_Scheduler):
         return self.get_max_grad_norm()
 
 
-class ExponentialNoise(NoiseScheduler):
-    """sigma multiplied by ``gamma`` at every ``step()`` (the factors accumulate): sigma_t = sigma_0 gamma^t."""
+class _ExponentialRule:
+    """The value multiplied by ``gamma`` at every ``step()`` (the factors accumulate): v_t = v_0 gamma^t."""
 
     def __init__(self, optimizer: Any, *, gamma: float, last_epoch: int = -1) -> None:
         self.gamma = gamma
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, last_epoch=last_epoch)  # type: ignore[call-arg]
+
+    def _value(self) -> float:
+        current = getattr(self.optimizer, self._attribute)  # type: ignore[attr-defined]
+        return current if self.last_epoch == 0 else current * self.gamma  # type: ignore[attr-defined]
+
+
+class _StepRule:
+    """The value multiplied by ``gamma`` every ``step_size`` calls of ``step()`` (the factors accumulate)."""
+
+    def __init__(self, optimizer: Any, *, step_size: int, gamma: float, last_epoch: int = -1) -> None:
+        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
+            raise ValueError(f"step_size must be an int >= 1; got {step_size!r}")
+        self.step_size = step_size
+        self.gamma = gamma
+        super().__init__(optimizer, last_epoch=last_epoch)  # type: ignore[call-arg]
+
+    def _value(self) -> float:
+        current = getattr(self.optimizer, self._attribute)  # type: ignore[attr-defined]
+        multiple = self.last_epoch > 0 and self.last_epoch % self.step_size == 0  # type: ignore[attr-defined]
+        return current * self.gamma if multiple else current
+
+
+class _LambdaRule:
+    """v_t = v_base * ``function(t)``, v_base the optimizer's value when the scheduler is built (the factors do
+    not accumulate); a subclass names the function's keyword (``_function_name``) and the base's attribute."""
+
+    _function_name: str
+    _base_name: str
+
+    def __init__(self, optimizer: Any, function: Callable[[int], float], *, last_epoch: int) -> None:
+        if not callable(function):
+            raise TypeError(f"{self._function_name} must be a function of the counter; got {function!r}")
+        setattr(self, self._function_name, function)
+        setattr(self, self._base_name, getattr(optimizer, self._attribute))  # type: ignore[attr-defined]
+        super().__init__(optimizer, last_epoch=last_epoch)  # type: ignore[call-arg]
+
+    def _value(self) -> float:
+        function = getattr(self, self._function_name)
+        return getattr(self, self._base_name) * function(self.last_epoch)  # type: ignore[attr-defined]
+
+
+class ExponentialNoise(_ExponentialRule, NoiseScheduler):
+    """sigma multiplied by ``gamma`` at every ``step()`` (the factors accumulate): sigma_t = sigma_0 gamma^t."""
 
     def get_noise_multiplier(self) -> float:
         """The current sigma at counter 0, else the current sigma times ``gamma``."""
-        current = self.optimizer.noise_multiplier
-        return current if self.last_epoch == 0 else current * self.gamma
+        return self._value()
 
 
-class StepNoise(NoiseScheduler):
+class StepNoise(_StepRule, NoiseScheduler):
     """sigma multiplied by ``gamma`` every ``step_size`` calls of ``step()`` (the factors accumulate)."""
-
-    def __init__(self, optimizer: Any, *, step_size: int, gamma: float, last_epoch: int = -1) -> None:
-        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
-            raise ValueError(f"step_size must be an int >= 1; got {step_size!r}")
-        self.step_size = step_size
-        self.gamma = gamma
-        super().__init__(optimizer, last_epoch=last_epoch)
 
     def get_noise_multiplier(self) -> float:
         """The current sigma times ``gamma`` when the counter is a positive multiple of ``step_size``."""
-        current = self.optimizer.noise_multiplier
-        return current * self.gamma if self.last_epoch > 0 and self.last_epoch % self.step_size == 0 else current
+        return self._value()
 
 
-class LambdaNoise(NoiseScheduler):
+class LambdaNoise(_LambdaRule, NoiseScheduler):
     """sigma_t = sigma_base * ``noise_lambda(t)``, sigma_base the optimizer's sigma when the scheduler is built
     (the factors do not accumulate). ``state_dict`` keeps ``base_noise_multiplier``, not the function."""
 
+    _function_name = "noise_lambda"
+    _base_name = "base_noise_multiplier"
+
     def __init__(self, optimizer: Any, *, noise_lambda: Callable[[int], float], last_epoch: int = -1) -> None:
-        if not callable(noise_lambda):
-            raise TypeError(f"noise_lambda must be a function of the counter; got {noise_lambda!r}")
-        self.noise_lambda = noise_lambda
-        self.base_noise_multiplier = optimizer.noise_multiplier
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, noise_lambda, last_epoch=last_epoch)
 
     def get_noise_multiplier(self) -> float:
         """``base_noise_multiplier * noise_lambda(last_epoch)``."""
-        return self.base_noise_multiplier * self.noise_lambda(self.last_epoch)
+        return self._value()
 
 
-class ExponentialGradClip(GradClipScheduler):
+class ExponentialGradClip(_ExponentialRule, GradClipScheduler):
     """C multiplied by ``gamma`` at every ``step()`` (the factors accumulate): C_t = C_0 gamma^t."""
-
-    def __init__(self, optimizer: Any, *, gamma: float, last_epoch: int = -1) -> None:
-        self.gamma = gamma
-        super().__init__(optimizer, last_epoch=last_epoch)
 
     def get_max_grad_norm(self) -> float:
         """The current C at counter 0, else the current C times ``gamma``."""
-        current = self.optimizer.max_grad_norm
-        return current if self.last_epoch == 0 else current * self.gamma
+        return self._value()
 
 
-class StepGradClip(GradClipScheduler):
+class StepGradClip(_StepRule, GradClipScheduler):
     """C multiplied by ``gamma`` every ``step_size`` calls of ``step()`` (the factors accumulate)."""
-
-    def __init__(self, optimizer: Any, *, step_size: int, gamma: float, last_epoch: int = -1) -> None:
-        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
-            raise ValueError(f"step_size must be an int >= 1; got {step_size!r}")
-        self.step_size = step_size
-        self.gamma = gamma
-        super().__init__(optimizer, last_epoch=last_epoch)
 
     def get_max_grad_norm(self) -> float:
         """The current C times ``gamma`` when the counter is a positive multiple of ``step_size``."""
-        current = self.optimizer.max_grad_norm
-        return current * self.gamma if self.last_epoch > 0 and self.last_epoch % self.step_size == 0 else current
+        return self._value()
 
 
-class LambdaGradClip(GradClipScheduler):
+class LambdaGradClip(_LambdaRule, GradClipScheduler):
     """C_t = C_base * ``scheduler_function(t)``, C_base the optimizer's C when the scheduler is built (the
     factors do not accumulate). ``state_dict`` keeps ``base_max_grad_norm``, not the function."""
 
+    _function_name = "scheduler_function"
+    _base_name = "base_max_grad_norm"
+
     def __init__(self, optimizer: Any, *, scheduler_function: Callable[[int], float], last_epoch: int = -1) -> None:
-        if not callable(scheduler_function):
-            raise TypeError(f"scheduler_function must be a function of the counter; got {scheduler_function!r}")
-        self.scheduler_function = scheduler_function
-        self.base_max_grad_norm = optimizer.max_grad_norm
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, scheduler_function, last_epoch=last_epoch)
 
     def get_max_grad_norm(self) -> float:
         """``base_max_grad_norm * scheduler_function(last_epoch)``."""
-        return self.base_max_grad_norm * self.scheduler_function(self.last_epoch)
+        return self._value()
