@@ -625,3 +625,30 @@ def test_a_grad_scaler_the_optimizer_does_not_know_is_refused_before_anything_is
         scaler.step(optimizer)
     assert engine.accountant.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("poisson", [True, False], ids=["poisson", "shuffled"])
+def test_a_loop_without_zero_grad_releases_the_same_as_with_it(mode, poisson):
+    """README's loop-contract row: no ``zero_grad()`` between steps changes nothing (each step releases its own
+    batch and overwrites ``p.grad``); Opacus raises ValueError there instead."""
+    def train(zero_grad: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+        private, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=0.5, max_grad_norm=1.0, grad_sample_mode=mode, poisson_sampling=poisson,
+        )  # fmt: skip
+        torch.manual_seed(1)
+        for step, (x, y) in enumerate(loader):
+            if zero_grad:
+                optimizer.zero_grad()
+            nn.functional.cross_entropy(private(x), y).backward()
+            optimizer.step()
+            if step == 2:
+                break
+        return [p.detach().clone() for p in model.parameters()]
+
+    with_zero_grad, without = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_zero_grad, without))

@@ -120,28 +120,8 @@ class _OpacusStateDict:
         self.to_standard_module()
 
 
-class GradSampleModule(_OpacusStateDict, _GradSampleModule):
-    """This engine's ``GradSampleModule`` with Opacus's constructor and state-dict keys.
-
-    ``force_functorch=True`` is accepted and changes nothing: layers without a registered sampler
-    always go through ``torch.func``, and the registered samplers are exact. ``GRAD_SAMPLERS``
-    (``{layer type: grad sampler}``, Opacus's class attribute) is a live view of the engine's table.
-    """
-
-    GRAD_SAMPLERS = GRAD_SAMPLERS
-
-    def __init__(
-        self,
-        m: nn.Module,
-        *,
-        batch_first: bool = True,
-        loss_reduction: str = "mean",
-        strict: bool = True,
-        force_functorch: bool = False,
-    ) -> None:
-        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
-        self.force_functorch = bool(force_functorch)
-        self._hooks_enabled = True
+class _HooksSwitch:
+    """Opacus's ``enable_hooks()`` / ``disable_hooks()`` / ``hooks_enabled`` for the namespace's ``GradSampleModule``."""
 
     @property
     def hooks_enabled(self) -> bool:
@@ -165,8 +145,7 @@ class GradSampleModule(_OpacusStateDict, _GradSampleModule):
 
     @forward_with_model_signature
     def forward(self, *args: Any, **kwargs: Any):
-        """The engine's forward (see ``privacy_engine.capture.GradSampleModule``); with the hooks
-        disabled, the same forward with nothing captured."""
+        """The wrapper's forward; with the hooks disabled, the same forward with nothing captured."""
         if self.hooks_enabled or not self.training:
             return super().forward(*args, **kwargs)
         # The capture and the batch binding read the wrapper's own training flag (the layers keep
@@ -176,6 +155,29 @@ class GradSampleModule(_OpacusStateDict, _GradSampleModule):
             return super().forward(*args, **kwargs)
         finally:
             self.training = True
+
+
+class GradSampleModule(_OpacusStateDict, _HooksSwitch, _GradSampleModule):
+    """This engine's ``GradSampleModule`` with Opacus's constructor and state-dict keys.
+
+    ``force_functorch=True`` is accepted and changes nothing: layers without a registered sampler
+    always go through ``torch.func``, and the registered samplers are exact. ``GRAD_SAMPLERS``
+    (``{layer type: grad sampler}``, Opacus's class attribute) is a live view of the engine's table.
+    """
+
+    GRAD_SAMPLERS = GRAD_SAMPLERS
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        force_functorch: bool = False,
+    ) -> None:
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+        self.force_functorch = bool(force_functorch)
 
 
 class _StandaloneClipper(PerSampleGradientClipper):
