@@ -615,7 +615,7 @@ def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy, bandmf):
     import torch.multiprocessing as mp
 
     generator = torch.Generator().manual_seed(20)
-    grads = _gradients_with_norms(torch.rand(16, dtype=torch.float64) * 3, 3, generator)
+    grads = _gradients_with_norms(torch.rand(16, dtype=torch.float64, generator=generator) * 3, 3, generator)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
