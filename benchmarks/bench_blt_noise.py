@@ -16,28 +16,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_noise import interleaved_seconds, parameter_tensors  # the same tensors and timing as bench_noise.py
+
 from privacy_engine.noise import BandMFNoise, BLTNoise, BLTStrategy, GaussianNoise
 
-TENSOR_FRACTIONS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.002]
 # A BLT of the shape the optimiser returns for a few thousand steps (decays near 1, small output scales).
 BLT_PARAMETERS = {
     2: ((0.999, 0.9), (0.25, 0.25)),
     4: ((0.9997, 0.99, 0.95, 0.6), (0.07, 0.09, 0.17, 0.17)),
     6: ((0.9998, 0.998, 0.99, 0.95, 0.8, 0.4), (0.04, 0.05, 0.08, 0.1, 0.1, 0.1)),
 }
-
-
-def parameter_tensors(total: int, device: torch.device) -> list[torch.Tensor]:
-    sizes = [int(total * fraction) for fraction in TENSOR_FRACTIONS]
-    sizes[0] += total - sum(sizes)
-    return [torch.zeros(size, device=device) for size in sizes]
 
 
 def state_bytes(mechanism) -> int:
@@ -62,26 +56,11 @@ def mechanisms(total_steps: int) -> list[tuple[str, object]]:
     return rows
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(total: int, device: torch.device, repeats: int) -> None:
     named = mechanisms(total_steps=1000)
     tensors = [parameter_tensors(total, device) for _ in named]
     steps = [lambda m=m, t=t: m.add_noise_(t, 1.0, 1.0) for (_, m), t in zip(named, tensors)]
-    for step in steps:  # lay out and warm up
-        step()
-        step()
-    synchronize(device)
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for step, record in zip(steps, times):
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            record.append(time.perf_counter() - start)
+    times = interleaved_seconds(steps, device, repeats)  # two warm-up calls each lay the noise out
     baseline = statistics.median(times[0])
     for (name, mechanism), record in zip(named, times):
         median = statistics.median(record)

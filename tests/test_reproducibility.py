@@ -48,6 +48,15 @@ def _private(mode: str = "hooks", *, secure_mode: bool = False, loader_generator
     )  # fmt: skip
 
 
+def _steps(model, optimizer, batches, count: int) -> None:
+    """``count`` private steps on the next batches of the iterator ``batches``."""
+    for _ in range(count):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
 def _train(model, optimizer, loader, steps: int = 4) -> tuple[list[torch.Tensor], list[int]]:
     """Parameters after ``steps`` steps and the batch sizes seen."""
     sizes = []
@@ -137,29 +146,17 @@ def test_the_dataloader_generator_drives_the_poisson_sampling():
 def test_a_mid_epoch_resume_with_a_loader_generator_is_exact(tmp_path):
     engine, model, optimizer, loader = _private(dropout=0.0, loader_generator=torch.Generator().manual_seed(5))
     batches = iter(loader)
-    for _ in range(2):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    _steps(model, optimizer, batches, 2)
     path = tmp_path / "mid.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=optimizer, data_loader=loader)
-    for _ in range(2):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    _steps(model, optimizer, batches, 2)
 
     # A fresh process: the same code, so a loader generator seeded as before (its state differs from the
     # first run's at the checkpoint: the first run's iterators drew from it).
     r_engine, r_model, r_optimizer, r_loader = _private(dropout=0.0, loader_generator=torch.Generator().manual_seed(5))
     r_engine.load_checkpoint(path=path, module=r_model, optimizer=r_optimizer, data_loader=r_loader)
     r_batches = iter(r_loader)
-    for _ in range(2):
-        x, y = next(r_batches)
-        r_optimizer.zero_grad()
-        nn.functional.cross_entropy(r_model(x), y).backward()
-        r_optimizer.step()
+    _steps(r_model, r_optimizer, r_batches, 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), r_model.parameters()))
 
 
@@ -184,29 +181,17 @@ def test_a_resume_after_the_first_step_ignores_the_global_generator(tmp_path):
     torch.manual_seed(3)
     engine, model, optimizer, loader = _private(dropout=0.0)  # no dropout: every draw of the run is the engine's
     batches = iter(loader)
-    for _ in range(2):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    _steps(model, optimizer, batches, 2)
     path = tmp_path / "mid.pt"
     engine.save_checkpoint(path=path, module=model, optimizer=optimizer, data_loader=loader)
     assert isinstance(optimizer.noise.state_dict()["seed"], int) and "seed_pending" not in loader.state_dict()
-    for _ in range(2):
-        x, y = next(batches)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    _steps(model, optimizer, batches, 2)
 
     r_engine, r_model, r_optimizer, r_loader = _private(dropout=0.0)
     r_engine.load_checkpoint(path=path, module=r_model, optimizer=r_optimizer, data_loader=r_loader)
     torch.manual_seed(777)
     r_batches = iter(r_loader)
-    for _ in range(2):
-        x, y = next(r_batches)
-        r_optimizer.zero_grad()
-        nn.functional.cross_entropy(r_model(x), y).backward()
-        r_optimizer.step()
+    _steps(r_model, r_optimizer, r_batches, 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), r_model.parameters()))
 
 
