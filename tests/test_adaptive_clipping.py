@@ -581,13 +581,15 @@ def test_the_opacus_adaclip_optimizer_trains():
 
 
 # ---------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, noisy: bool, out: str,
+def _ddp_worker(rank: int, world_size: int, grads: torch.Tensor, noisy: bool, out: str,
                 bandmf: bool = False) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from privacy_engine.training import distributed
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A file store (no probed port that another process could take in between), and a barrier before the
+    # group is destroyed, so that no rank tears gloo down while the other still talks to it.
+    dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=rank, world_size=world_size)
     try:
         sigma, sigma_b = (1.0, 3.0) if noisy else (0.0, 0.0)
         param, optimizer = _bare_optimizer(3, batch=len(grads), sigma=sigma, unclipped_num_std=sigma_b, seed=21,
@@ -603,6 +605,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, nois
             optimizer.zero_grad()
         torch.save({"trajectory": trajectory, "param": param.detach().clone(), "grads": grads_released},
                    f"{out}.{rank}")  # fmt: skip
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -610,17 +613,12 @@ def _ddp_worker(rank: int, world_size: int, port: int, grads: torch.Tensor, nois
 @pytest.mark.slow  # two spawned processes (a few seconds each on 2 cores)
 @pytest.mark.parametrize("noisy, bandmf", [(False, False), (True, False), (True, True)])
 def test_ddp_releases_one_count_summed_over_the_ranks(tmp_path, noisy, bandmf):
-    import socket
-
     import torch.multiprocessing as mp
 
     generator = torch.Generator().manual_seed(20)
     grads = _gradients_with_norms(torch.rand(16, dtype=torch.float64, generator=generator) * 3, 3, generator)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     out = str(tmp_path / "result")
-    mp.spawn(_ddp_worker, args=(2, port, grads, noisy, out, bandmf), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, grads, noisy, out, bandmf), nprocs=2, join=True)
     rank0, rank1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
     assert rank0["trajectory"] == rank1["trajectory"]  # one noised count, the same on every rank
     assert torch.equal(rank0["param"], rank1["param"])
