@@ -169,9 +169,7 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         if num_steps == 0:
             return
         if last is not None and last.same_mechanism(entry):
-            self._history[position] = dataclasses.replace(
-                last, num_steps=last.num_steps + num_steps
-            )
+            self._history[position] = last.with_more_steps(num_steps)
         else:
             self._history.append(dataclasses.replace(entry, num_steps=num_steps))
         self._composed = None

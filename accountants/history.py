@@ -101,6 +101,18 @@ class HistoryEntry:
         """Data are sampled (q > 0) and released with no noise: no privacy at all."""
         return self.noise_multiplier == 0.0 and self.sample_rate > 0.0
 
+    def with_more_steps(self, num_steps: int) -> HistoryEntry:
+        """This entry with ``num_steps`` (an ``int`` >= 0, checked by the caller) more steps.
+
+        The other fields are copied as they are, not validated again: they were validated when this entry
+        was made, and ``num_steps`` grows from a valid count by a non-negative ``int``, so the copy is what
+        ``dataclasses.replace(self, num_steps=...)`` gives, without its second ``__post_init__`` (the common
+        merged step of a training loop, once per step)."""
+        merged = object.__new__(HistoryEntry)
+        merged.__dict__.update(self.__dict__)
+        object.__setattr__(merged, "num_steps", self.num_steps + num_steps)
+        return merged
+
     def same_mechanism(self, other: HistoryEntry) -> bool:
         """Equal in everything but the step count, so the two may be merged."""
         return all(

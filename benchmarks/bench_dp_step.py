@@ -1,7 +1,8 @@
 """The whole DP step (forward, backward, optimizer.step with noise) against a non-private step.
 
 One training step per variant on the workloads of ``benchmarks/workloads.py`` (MLP and CNN batch 256,
-Transformer batch 64), plain SGD underneath, ``zero_grad(set_to_none=True)`` at the end:
+Transformer batch 64, the small HF decoder ``hf-decoder``: GPT-2, 2 layers, hidden 64, batch 8; ``--batch-sizes``
+runs each at other batch sizes), plain SGD underneath, ``zero_grad(set_to_none=True)`` at the end:
 
 ==============  ==================================================================================
 variant         step
@@ -25,6 +26,17 @@ the main thread's CPU time, which with 1 torch thread is the step's critical pat
 thread (the background noise draw, ``privacy_engine.noise.prefetch``) works beside it on another core:
 with a spare core and no other load, wall time tends to it.
 
+Python overhead per step (the "python overhead ms" column, issue 25): the fixed cost a variant adds to a
+step whatever the arithmetic, measured as the variant's main-thread CPU ms minus plain's on the workload's
+*skeleton* (``workloads.skeleton_of``: the same layers in the same order, every width 4, vocabularies 16, the
+same batch size and sequence length), timed in the same interleaved rounds as the full-size workload. What
+it holds: the engine's Python (gates, bookkeeping, checks, accountant), the extra torch dispatches (per-layer
+norms and sums on tiny tensors, the noise calls), and the hooks' autograd nodes; arithmetic is negligible
+there. ``--overhead-depths 2 10 50`` adds the same difference on N x Linear(4, 4) at batch 8: the fixed cost
+against depth (per layer and per step). Opacus rows get no overhead (and Opacus 1.6 cannot run the GPT-2
+decoder: its tied embeddings in ghost mode, its position embeddings shared by the batch in hooks mode; those
+rows are left out with a notice).
+
 Peak memory: peak RSS growth of a steady-state step, one fresh process per variant
 (``workloads.peak_memory_increase``).
 
@@ -40,6 +52,7 @@ Goals (issue 13, ratios to plain side by side): ghost <= 1.15x on the MLP and th
 hooks <= 0.25x opacus-hooks on the MLP, <= 1x on the others.
 
 Run:  python benchmarks/bench_dp_step.py [--quick] [--threads 1 2] [--runs 3] [--profile] [--no-memory]
+      [--workloads hf-decoder mlp] [--batch-sizes 8 64 256] [--overhead-depths 2 10 50] [--no-overhead]
 """
 
 from __future__ import annotations
@@ -64,14 +77,16 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 import torch
 from workloads import (
-    WORKLOADS,
+    ALL_WORKLOADS,
     Workload,
+    deep_mlp_skeleton,
     get_workload,
     peak_memory_increase,
     peak_mib_in_children,
     reference_matmul_ms,
     render_table,
     runnable_variants,
+    skeleton_of,
     time_interleaved,
     training_step,
     versions,
@@ -237,6 +252,10 @@ def profile_variant(
         ghost_clipping_module.linear_squared_norms = timer.wrap("per-layer norms", saved_linear[0])
         ghost_clipping_module.linear_weighted_sums = timer.wrap("weighted sums", saved_linear[1])
         built = build(workload, variant, loss_fn=timer.wrap("loss", workload.loss))
+        # Fast clipping looks a layer's norm and weighted-sum samplers up at its first training forward
+        # (``GatedLayers._gate_samplers``): take one step while the tables hold the timed samplers, or their
+        # time would land in "gate bookkeeping" and "clip factors".
+        built.step()
     finally:
         for (table, _), saved in zip(tables, saved_tables):
             table.clear()
@@ -311,7 +330,7 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 def format_time_table(rows: list[dict], variants: list[str]) -> str:
     header = ["workload", "threads", "variant", "wall ms", "x plain", "(runs min-max)", "CPU ms", "x plain",
-              "main-thread CPU ms", "x plain", "peak MiB", "x plain"]  # fmt: skip
+              "main-thread CPU ms", "x plain", "python overhead ms", "peak MiB", "x plain"]  # fmt: skip
     lines = [header]
     for row in rows:
         plain_mib = row["mem_mib"].get("plain")
@@ -331,6 +350,7 @@ def format_time_table(rows: list[dict], variants: list[str]) -> str:
                 _cell(times["cpu_ratio"]),
                 _cell(times["thread_ms"], 1),
                 _cell(times["thread_ratio"]),
+                _cell(times.get("overhead_ms")),
                 _cell(mib, 1),
                 "-" if mib is None or not plain_mib else f"{mib / plain_mib:.2f}",
             ])  # fmt: skip
@@ -349,22 +369,55 @@ def format_profile_table(profiles: dict[str, dict[str, float]], plain_ms: float)
 
 
 # ---------------------------------------------------------------------------------- main
-def _memory_child(workload_name: str, variant: str, steps: int, threads: int) -> None:
+def _memory_child(workload_key: str, variant: str, steps: int, threads: int) -> None:
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
-    built = build(get_workload(workload_name), variant)
+    name, batch_size = workload_key.split("@")
+    built = build(get_workload(name, int(batch_size)), variant)
     print(json.dumps({"peak_bytes": peak_memory_increase(built.step, steps=steps, warmup=2)}))
 
 
-def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats: int, warmup: int) -> dict:
-    steps = {variant: build(workload, variant).step for variant in variants}
+def _buildable_steps(workload: Workload, variants: list[str]) -> dict[str, Callable[[], None]]:
+    """Each variant's step; an Opacus variant that cannot build or run ``workload`` is left out with a
+    notice (Opacus 1.6 refuses GPT-2's tied embeddings in ghost mode and its position embeddings, shared by
+    the batch, in hooks mode)."""
+    steps = {}
+    for variant in variants:
+        try:
+            steps[variant] = build(workload, variant).step
+            if variant.startswith("opacus"):
+                steps[variant]()
+        except Exception as error:  # only Opacus's refusals are tolerated (re-raised otherwise)
+            if not variant.startswith("opacus"):
+                raise
+            print(f"  {variant} left out on {workload.name}: {type(error).__name__}: {str(error)[:120]}", flush=True)
+            steps.pop(variant, None)
+    return steps
+
+
+#: Variants timed on each workload's skeleton for the "python overhead" column (ours, against plain).
+OVERHEAD_SUFFIX = "@skeleton"
+
+
+def measure_times(
+    workload: Workload, variants: list[str], *, runs: int, repeats: int, warmup: int, overhead: bool = True
+) -> dict:
+    """Medians over ``runs`` interleaved runs of each variant's times and ratios to plain; with
+    ``overhead``, also each of our variants' *python overhead per step*: on the workload's skeleton (the
+    same layers, widths 4: ``workloads.skeleton_of``), the variant's main-thread CPU ms minus plain's,
+    timed in the same interleaved rounds (the fixed per-step cost the engine adds, arithmetic negligible)."""
+    steps = _buildable_steps(workload, variants)
+    if overhead:
+        skeleton = skeleton_of(workload)
+        for variant in ["plain", *(v for v in steps if v in OURS)]:
+            steps[variant + OVERHEAD_SUFFIX] = build(skeleton, variant).step
     per_run = []
     for _ in range(runs):
         timings = time_interleaved(steps, repeats=repeats, warmup=warmup)
         per_run.append({v: (t.median_ms, t.median_cpu_ms, t.median_thread_cpu_ms) for v, t in timings.items()})
         warmup = 1  # later runs continue a warm process
     result = {}
-    for variant in variants:
+    for variant in (v for v in variants if v in steps):
         wall = [run[variant][0] for run in per_run]
         cpu = [run[variant][1] for run in per_run]
         wall_ratios = [run[variant][0] / run["plain"][0] for run in per_run]
@@ -381,8 +434,43 @@ def measure_times(workload: Workload, variants: list[str], *, runs: int, repeats
             "thread_ms": statistics.median(thread),
             "thread_ratio": statistics.median(thread_ratios),
             "per_run_wall_ms": wall,
+            "overhead_ms": None,
         }
+        skeleton_variant = variant + OVERHEAD_SUFFIX
+        if overhead and skeleton_variant in steps and variant != "plain":
+            plain_skeleton = "plain" + OVERHEAD_SUFFIX
+            result[variant]["overhead_ms"] = statistics.median(
+                run[skeleton_variant][2] - run[plain_skeleton][2] for run in per_run
+            )
+            result[variant]["skeleton_ms"] = statistics.median(run[skeleton_variant][2] for run in per_run)
     return result
+
+
+def measure_overhead_by_depth(depths: list[int], batch_size: int, *, runs: int, repeats: int, warmup: int) -> list:
+    """Per depth: the median over runs of (variant - plain) main-thread CPU ms per step on
+    ``depth`` x Linear(4, 4) (``workloads.deep_mlp_skeleton``), our variants interleaved with plain."""
+    rows = []
+    for depth in depths:
+        workload = deep_mlp_skeleton(depth, batch_size)
+        steps = {variant: build(workload, variant).step for variant in ("plain", *OURS)}
+        per_run = []
+        for _ in range(runs):
+            timings = time_interleaved(steps, repeats=repeats, warmup=warmup)
+            per_run.append({v: t.median_thread_cpu_ms for v, t in timings.items()})
+        row = {"depth": depth, "batch": batch_size, "plain_ms": statistics.median(r["plain"] for r in per_run)}
+        for variant in OURS:
+            row[variant] = statistics.median(r[variant] - r["plain"] for r in per_run)
+        rows.append(row)
+        print(f"  done depth {depth}: " + ", ".join(f"{v} +{row[v]:.2f} ms" for v in OURS), flush=True)
+    return rows
+
+
+def format_depth_table(rows: list[dict]) -> str:
+    lines = [["layers", "batch", "plain ms", *(f"{v} - plain ms" for v in OURS), *(f"{v} per layer ms" for v in OURS)]]
+    for row in rows:
+        lines.append([str(row["depth"]), str(row["batch"]), _cell(row["plain_ms"]),
+                      *(_cell(row[v]) for v in OURS), *(_cell(row[v] / row["depth"], 3) for v in OURS)])  # fmt: skip
+    return render_table(lines)
 
 
 def print_profile(
@@ -405,7 +493,26 @@ def print_profile(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run; numbers are noisy)")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=list(ALL_WORKLOADS), choices=list(ALL_WORKLOADS))
+    parser.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="B",
+        help="run each workload at these batch sizes (default: its own; e.g. 8 64 256)",
+    )
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="skip the skeleton steps behind the 'python overhead ms' column"
+    )
+    parser.add_argument(
+        "--overhead-depths",
+        nargs="*",
+        type=int,
+        default=None,
+        metavar="LAYERS",
+        help="also the fixed cost against depth: N x Linear(4, 4) at batch 8 (e.g. 2 10 50)",
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="torch thread counts (default 1 2)")
     parser.add_argument("--runs", type=int, default=None, help="independent interleaved runs (default 3, quick 1)")
@@ -442,16 +549,19 @@ def main(argv: list[str] | None = None) -> None:
     rows, profiles_out = [], {}
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name in args.workloads:
-            workload = get_workload(name)
+        for name, batch_size in ((n, b) for n in args.workloads for b in (args.batch_sizes or [None])):
+            workload = get_workload(name, batch_size)
             if args.profile_only:
                 args.profile, args.no_memory = True, True
             else:
-                times = measure_times(workload, variants, runs=runs, repeats=repeats, warmup=warmup)
+                times = measure_times(
+                    workload, variants, runs=runs, repeats=repeats, warmup=warmup, overhead=not args.no_overhead
+                )
             memory: dict[str, float] = {}
             if not args.no_memory:
                 after = [str(threads)] + (["--quick"] if args.quick else [])
-                memory = peak_mib_in_children(variants, [os.path.abspath(__file__), "--memory-child", name], after)
+                child = [os.path.abspath(__file__), "--memory-child", f"{name}@{workload.batch_size}"]
+                memory = peak_mib_in_children([v for v in variants if v in times], child, after)
             if not args.profile_only:
                 rows.append({"workload": workload.description, "threads": threads, "times": times, "mem_mib": memory})
                 print(f"  done {name} @ {threads} thread(s): "
@@ -465,6 +575,15 @@ def main(argv: list[str] | None = None) -> None:
                 for variant in ("plain", "ghost"):
                     print(f"\ntorch.profiler, {name}, {variant}, {threads} thread(s):")
                     print(op_profile(workload, variant, steps=10, rows=args.op_profile), flush=True)
+    depth_rows = []
+    if args.overhead_depths:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            print(f"\nfixed cost against depth, {threads} thread(s)", flush=True)
+            by_depth = measure_overhead_by_depth(args.overhead_depths, 8, runs=runs, repeats=repeats, warmup=warmup)
+            depth_rows += [{**row, "threads": threads} for row in by_depth]
+            print(format_depth_table(by_depth))
+            print("main-thread CPU ms per step, variant minus plain, median over runs of per-run medians")
     if rows:
         print()
         print(format_time_table(rows, variants))
@@ -472,11 +591,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"C={MAX_GRAD_NORM}, sigma={NOISE_MULTIPLIER}, SGD lr={LEARNING_RATE}, BandMF b={BANDMF_BANDS}. Every "
             f"private row draws and adds its noise. Ratios: median over runs of each run's median / plain's median in "
-            f"that run (min-max over runs). Peak MiB: peak RSS growth of a steady-state step in a fresh process."
+            f"that run (min-max over runs). Python overhead: on the workload's skeleton (same layers, widths 4, "
+            f"same batch), the variant's main-thread CPU ms per step minus plain's, in the same interleaved rounds. "
+            f"Peak MiB: peak RSS growth of a steady-state step in a fresh process."
         )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "profiles": profiles_out}, out, indent=2)
+            json.dump({"rows": rows, "profiles": profiles_out, "depth_rows": depth_rows}, out, indent=2)
 
 
 if __name__ == "__main__":

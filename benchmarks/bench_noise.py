@@ -1,10 +1,18 @@
-"""Time per noise step: BandMFNoise against the cheapest possible streaming baseline.
+"""Time per noise step: BandMFNoise against the cheapest possible streaming baseline, and (``--streams``)
+Gaussian noise on the serial and the counter-keyed stream against ``torch.randn(out=...)``.
 
 Baseline per step: one ``torch.randn`` over all parameters plus ``b - 1`` multiply-adds of the
 stored history into it (what any streaming BandMF must at least do). BandMFNoise additionally
 writes the ring-buffer slot and adds the noise into the parameter tensors. Target: ratio <= 1.2.
 
-    python benchmarks/bench_noise.py [--quick]
+``--streams``: one ``GaussianNoise.add_noise_`` step (draw and add into the parameter tensors, no
+prefetch) on the serial stream (``"mt19937"``) and on the counter stream (``"counter-v1"``), against
+``torch.randn(out=...)`` of the same size (the floor: torch's own serial draw), at 1M, 10M and 100M
+parameters (``--quick``: 1M, 10M), at 1 and 2 torch threads, all interleaved in each round (the thread
+count switched within the round); ratios are medians over rounds of (time / 1-thread randn of the
+same round).
+
+    python benchmarks/bench_noise.py [--quick] [--streams]
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from privacy_engine.noise import BandMFNoise
+from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.noise.counter_stream import STREAM_COUNTER, STREAM_MT
 
 # A model's parameters are many tensors of mixed sizes; split the total the same way.
 TENSOR_FRACTIONS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.002]
@@ -73,13 +82,83 @@ def baseline_step(total: int, bands: int, device: torch.device):
     return step
 
 
+def stream_steps(total: int) -> dict:
+    """The ``--streams`` table's three step functions for ``total`` parameters (CPU, float32)."""
+    floor_out = torch.empty(total)
+    floor_generator = torch.Generator().manual_seed(0)
+    tensors = parameter_tensors(total, torch.device("cpu"))
+    serial = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_MT)
+    counter = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_COUNTER)
+    return {
+        "randn": lambda: torch.randn(total, out=floor_out, generator=floor_generator),
+        "serial": lambda: serial.add_noise_(tensors, 1.0, 1.0),
+        "counter": lambda: counter.add_noise_(tensors, 1.0, 1.0),
+    }
+
+
+def stream_table(
+    sizes: list[int], repeats: int, thread_counts: tuple[int, ...] = (1, 2), clock=time.perf_counter
+) -> None:
+    """Print the ``--streams`` table (see the module docstring). ``clock``: ``time.process_time`` counts the
+    CPU time of all the process's threads (less sensitive to other jobs on a shared machine; at 2 threads
+    it is the total work, not the wall time)."""
+    header = (
+        f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'counter ms':>11} "
+        f"{'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    saved_threads = torch.get_num_threads()
+    for total in sizes:
+        steps = stream_steps(total)
+        times = {(name, threads): [] for threads in thread_counts for name in steps}
+        for round_index in range(repeats + 1):  # round 0 warms up
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for name, step in steps.items():
+                    start = clock()
+                    step()
+                    if round_index:
+                        times[name, threads].append(clock() - start)
+        torch.set_num_threads(saved_threads)
+        floor_1 = times["randn", thread_counts[0]]
+        for threads in thread_counts:
+            row = [times[name, threads] for name in steps]
+            ratios = [statistics.median(a / b for a, b in zip(values, floor_1)) for values in row]
+            print(
+                f"{total / 1e6:>6.0f}M {threads:>7} "
+                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11)))
+                + " "
+                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11))),
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1M parameters only, fewer repeats")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--streams", action="store_true",
+        help="the serial/counter stream table against torch.randn(out=) at 1 and 2 threads instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="with --streams: time by the process's CPU time, all threads (for a machine shared with other jobs)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.streams:
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+        print(f"torch {torch.__version__}, CPU, load average {load} (before)")
+        sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 100_000_000]
+        if args.cpu_time:
+            print("clock: CPU time of the process (all threads): at 2 threads the total work, not the wall time")
+        stream_table(sizes, repeats=5 if args.quick else 7, clock=time.process_time if args.cpu_time else time.perf_counter)
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+        print(f"load average {load} (after)")
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000]

@@ -21,19 +21,28 @@ ghost-grouped       the same with the grouped backward wherever a convolution's 
 Every private variant: flat clipping C=1, sigma=1, Gaussian noise, make_private's accountant, the loader's
 fixed-size batches (``poisson_sampling=False``: the same examples per step in every variant).
 Times: ``workloads.time_interleaved`` (round-robin, each timed step after an untimed one of its own),
-``--runs`` runs; median over runs of the per-run median ratios to plain.
+``--runs`` runs; median over runs of the per-run median ratios to plain. Besides wall time, the ratios
+of CPU time (the process's, all threads: the work done, little disturbed by other jobs on a shared
+machine) and of the calling thread's CPU time (the step's critical path when a spare core draws the
+noise in the background).
 
 ``--layers``: per convolution of the model, the milliseconds of the plain weight backward, the grouped
 per-sample backward and the patch form (``grad_samplers._convolution.patch_weight_grads``), and the form
 ``patches_are_small`` picks.
 
+``--baseline TREE``: one more row, the default step with ``TREE``'s ``grad_samplers/_convolution.py`` and
+``conv.py`` swapped in (the rest of this tree unchanged), interleaved with the others: a before/after of a
+change to the convolution forms in one run.
+
 Run:  python benchmarks/bench_resnet18.py [--batch 32] [--size 64] [--threads 1] [--runs 3] [--layers]
+      [--baseline TREE]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import math
 import os
 import statistics
@@ -162,20 +171,58 @@ def build_step(variant: str, batch_size: int, size: int):
     return step, type(module).__name__
 
 
-def measure(batch_size: int, size: int, variants: list[str], *, runs: int, repeats: int) -> list[list[str]]:
+def baseline_forms(tree: str):
+    """The convolution sampler forms (``grad_samplers.conv._FORMS``) of another checkout ``tree``: its
+    ``grad_samplers/_convolution.py`` and ``conv.py`` loaded under other names, for a before/after run in
+    one process (``--baseline``)."""
+
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(tree, "grad_samplers", file))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+        return module
+
+    convolution = load("baseline_convolution", "_convolution.py")
+    with mock.patch.dict(sys.modules, {"grad_samplers._convolution": convolution}):
+        return load("baseline_conv", "conv.py")._FORMS
+
+
+def measure(
+    batch_size: int, size: int, variants: list[str], *, runs: int, repeats: int, baseline: str | None = None
+) -> list[list[str]]:
     built = {variant: build_step(variant, batch_size, size) for variant in variants}
+    if baseline is not None:
+        # The default step with another tree's convolution forms: this tree's other code, interleaved.
+        step, wrapper = build_step("default", batch_size, size)
+        forms = baseline_forms(baseline)
+
+        def baseline_step(step=step) -> None:
+            with mock.patch.object(conv_module, "_FORMS", forms):
+                step()
+
+        built["default, --baseline conv"] = (baseline_step, wrapper)
+        variants = [*variants, "default, --baseline conv"]
     steps = {variant: step for variant, (step, _) in built.items()}
     per_run, warmup = [], 2
     for _ in range(runs):
         timings = time_interleaved(steps, repeats=repeats, warmup=warmup)
-        per_run.append({variant: timing.median_ms for variant, timing in timings.items()})
+        per_run.append({
+            variant: (timing.median_ms, timing.median_cpu_ms, timing.median_thread_cpu_ms)
+            for variant, timing in timings.items()
+        })  # fmt: skip
         warmup = 1
-    lines = [["variant", "wrapper", "wall ms", "x plain", "(runs min-max)"]]
+
+    def median_ratio(variant: str, column: int) -> float:
+        return statistics.median(run[variant][column] / run["plain"][column] for run in per_run)
+
+    lines = [["variant", "wrapper", "wall ms", "x plain", "(runs min-max)", "x plain, CPU", "x plain, thread CPU"]]
     for variant in variants:
-        ratios = [run[variant] / run["plain"] for run in per_run]
+        ratios = [run[variant][0] / run["plain"][0] for run in per_run]
         lines.append([
-            variant, built[variant][1] or "-", f"{statistics.median(run[variant] for run in per_run):.1f}",
+            variant, built[variant][1] or "-", f"{statistics.median(run[variant][0] for run in per_run):.1f}",
             f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
+            f"{median_ratio(variant, 1):.2f}", f"{median_ratio(variant, 2):.2f}",
         ])  # fmt: skip
     return lines
 
@@ -232,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per run")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--layers", action="store_true", help="also the per-convolution table")
+    parser.add_argument("--baseline", metavar="TREE", help="also the default step with the convolution forms of "
+                        "another checkout (e.g. `git worktree add /tmp/before HEAD`): before/after in one run")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -242,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers:
         print(render_table(layer_table(args.batch, args.size)), flush=True)
         print()
-    print(render_table(measure(args.batch, args.size, variants, runs=args.runs, repeats=args.repeats)))
+    table = measure(args.batch, args.size, variants, runs=args.runs, repeats=args.repeats, baseline=args.baseline)
+    print(render_table(table))
     print(f"\nload average at the end {', '.join(f'{value:.1f}' for value in os.getloadavg())}")
 
 

@@ -12,7 +12,14 @@ cnn          Conv2d(1,16,8,s2,p3)-tanh-MaxPool(2,1)-Conv2d(16,32,4,s2)-tanh-    
              MaxPool(2,1)-Linear(512,32)-tanh-Linear(32,10) on 1x28x28
 transformer  Embedding(8000,128) + 2-layer TransformerEncoder (d 128, 4 heads, ff 256,   64
              batch_first, default dropout 0.1) + mean-pool + Linear(128,2), sequence 64
+hf-decoder   GPT-2 from a config (no download): 2 layers, hidden 64, 4 heads,            8
+             vocabulary 1024, sequence 32, dropout off; next-token loss (token mean)
 ===========  =======================================================================  =====
+
+``WORKLOADS`` holds the first three (every benchmark runs them); ``ALL_WORKLOADS`` adds ``hf-decoder``.
+
+Each workload has a *skeleton* (``skeleton_of``): the same layers with every width 4, for measuring a
+step's fixed cost (Python, dispatch, hooks) with negligible arithmetic.
 
 Timing (``time_interleaved``): the variants being compared are run round-robin, so that a burst of
 load from other processes on a shared machine hits every variant alike; in each round every variant
@@ -40,6 +47,8 @@ that the "before" reading holds only parameters and optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import resource
@@ -173,11 +182,148 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get_workload(name: str) -> Workload:
+# ---------------------------------------------------------------------------------- small HF decoder
+# The small Hugging Face decoder people fine-tune on CPU in tests and tutorials (issue 25): GPT-2 built from
+# a config (no download), 2 layers, hidden 64, 4 heads, vocabulary 1024, sequence 32, dropout off (every
+# variant then computes the same function), next-token loss averaged over all tokens of the batch.
+HF_DECODER_SEQUENCE_LENGTH = 32
+HF_DECODER_VOCAB = 1024
+
+
+class CausalLMLogits(nn.Module):
+    """An HF causal LM called as ``model(input_ids=...)``, returning its logits as ``(B, vocab, T)`` so that
+    ``F.cross_entropy(outputs, targets)`` with ``targets`` of shape ``(B, T)`` is the token-mean loss (every
+    example has the same number of tokens, so it is also the mean over examples of each example's loss)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits.transpose(1, 2)
+
+
+def build_hf_decoder(*, hidden: int = 64, heads: int = 4, layers: int = 2, vocab: int = HF_DECODER_VOCAB) -> nn.Module:
+    import transformers  # only this workload needs it
+
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=HF_DECODER_SEQUENCE_LENGTH,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return CausalLMLogits(transformers.GPT2LMHeadModel(config))
+
+
+def _next_token_batch(batch_size: int, generator: torch.Generator, *, vocab: int = HF_DECODER_VOCAB) -> Batch:
+    tokens = torch.randint(0, vocab, (batch_size, HF_DECODER_SEQUENCE_LENGTH + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------------------- skeletons
+# A workload's skeleton: the same layers in the same order, every width 4 (vocabularies 16), the same batch
+# size and sequence length, so that the arithmetic is negligible and a step's time is its fixed cost:
+# Python, dispatch, hooks, bookkeeping. Used for the "python overhead per step" column of bench_dp_step.
+SKELETON_WIDTH = 4
+SKELETON_VOCAB = 16
+
+
+def build_mlp_skeleton() -> nn.Module:
+    w = SKELETON_WIDTH
+    return nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
+
+
+def build_deep_mlp_skeleton(depth: int) -> nn.Module:
+    """``depth`` Linear(4, 4) layers with ReLU between them (the fixed cost as a function of depth)."""
+    layers: list[nn.Module] = []
+    for index in range(depth):
+        layers += [nn.Linear(SKELETON_WIDTH, SKELETON_WIDTH)] + ([nn.ReLU()] if index < depth - 1 else [])
+    return nn.Sequential(*layers)
+
+
+def _small_flat_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    inputs = torch.randn(batch_size, SKELETON_WIDTH, generator=generator)
+    return inputs, torch.randint(0, SKELETON_WIDTH, (batch_size,), generator=generator)
+
+
+def _cnn_skeleton_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    images = torch.randn(batch_size, 1, 12, 12, generator=generator)
+    return images, torch.randint(0, SKELETON_WIDTH, (batch_size,), generator=generator)
+
+
+def build_cnn_skeleton() -> nn.Module:
+    w = SKELETON_WIDTH  # 1x12x12 -> 4x6x6 -> 4x5x5 -> 4x2x2 -> 4x1x1
+    return nn.Sequential(
+        nn.Conv2d(1, w, 2, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1), nn.Conv2d(w, w, 2, stride=2), nn.Tanh(),
+        nn.MaxPool2d(2, 1), nn.Flatten(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, w),
+    )  # fmt: skip
+
+
+def _token_skeleton_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    tokens = torch.randint(0, SKELETON_VOCAB, (batch_size, TRANSFORMER_SEQUENCE_LENGTH), generator=generator)
+    return tokens, torch.randint(0, 2, (batch_size,), generator=generator)
+
+
+def _next_token_skeleton_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    return _next_token_batch(batch_size, generator, vocab=SKELETON_VOCAB)
+
+
+def skeleton_of(workload: Workload) -> Workload:
+    """``workload``'s skeleton (same layers, widths 4, same batch size): see ``SKELETON_WIDTH``."""
+    w, vocab = SKELETON_WIDTH, SKELETON_VOCAB
+    builders: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], Batch]]] = {
+        "mlp": (build_mlp_skeleton, _small_flat_batch),
+        "cnn": (build_cnn_skeleton, _cnn_skeleton_batch),
+        "transformer": (
+            lambda: MeanPoolTransformer(vocab_size=vocab, d_model=w, num_heads=1, feedforward=w),
+            _token_skeleton_batch,
+        ),
+        "hf-decoder": (lambda: build_hf_decoder(hidden=w, heads=1, vocab=vocab), _next_token_skeleton_batch),
+    }
+    if workload.name not in builders:
+        raise ValueError(f"no skeleton for workload {workload.name!r}; choose from {sorted(builders)}")
+    build_model, make_batch = builders[workload.name]
+    return Workload(
+        name=f"{workload.name}-skeleton",
+        description=f"{workload.name} skeleton (widths {w}), batch {workload.batch_size}",
+        batch_size=workload.batch_size,
+        build_model=build_model,
+        make_batch=make_batch,
+    )
+
+
+def deep_mlp_skeleton(depth: int, batch_size: int) -> Workload:
+    """``build_deep_mlp_skeleton(depth)`` as a workload of ``batch_size`` examples."""
+    return Workload(
+        name=f"mlp{depth}-skeleton",
+        description=f"{depth} x Linear(4, 4), batch {batch_size}",
+        batch_size=batch_size,
+        build_model=functools.partial(build_deep_mlp_skeleton, depth),
+        make_batch=_small_flat_batch,
+    )
+
+
+#: The reference workloads plus the ones only ``bench_dp_step.py`` runs by default.
+ALL_WORKLOADS: dict[str, Workload] = {
+    **WORKLOADS,
+    "hf-decoder": Workload(
+        name="hf-decoder",
+        description=f"GPT-2 2 layers, hidden 64, vocab {HF_DECODER_VOCAB}, seq {HF_DECODER_SEQUENCE_LENGTH}, batch 8",
+        batch_size=8,
+        build_model=build_hf_decoder,
+        make_batch=_next_token_batch,
+    ),
+}
+
+
+def get_workload(name: str, batch_size: int | None = None) -> Workload:
+    """The workload called ``name`` (``ALL_WORKLOADS``), with ``batch_size`` examples if given."""
     try:
-        return WORKLOADS[name]
+        workload = ALL_WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}") from None
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted(ALL_WORKLOADS)}") from None
+    if batch_size is None or batch_size == workload.batch_size:
+        return workload
+    description = workload.description.rsplit(", batch ", 1)[0] + f", batch {batch_size}"
+    return dataclasses.replace(workload, batch_size=batch_size, description=description)
 
 
 # ---------------------------------------------------------------------------------- machine
@@ -451,14 +597,18 @@ def render_table(lines: list[list[str]]) -> str:
 
 
 __all__ = [
+    "ALL_WORKLOADS",
     "MEMORY_CHILD_ENV",
     "WORKLOADS",
     "MeanPoolTransformer",
     "Timing",
     "Workload",
     "build_cnn",
+    "build_deep_mlp_skeleton",
+    "build_hf_decoder",
     "build_mlp",
     "build_transformer",
+    "deep_mlp_skeleton",
     "get_workload",
     "median_time",
     "opacus_step",
@@ -469,6 +619,7 @@ __all__ = [
     "run_python_json",
     "runnable_variants",
     "set_threads",
+    "skeleton_of",
     "synchronize",
     "time_interleaved",
     "training_step",

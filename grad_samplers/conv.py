@@ -23,8 +23,11 @@ from torch import nn
 from grad_samplers._convolution import (
     ConvolutionForms,
     gram_is_cheaper,
+    patch_squared_norms,
+    patch_weight_backward,
     patch_weight_grads,
     patches_are_small,
+    positions_are_few,
     windowed_gram_squared_norms,
 )
 from grad_samplers.registry import LayerSampler, register_layer_sampler
@@ -107,8 +110,31 @@ def _patch_weight_grads(layer: _ConvLayer, inputs: torch.Tensor, backprops: torc
     return patch_weight_grads(layer, padded, backprops).reshape(backprops.shape[0], *layer.weight.shape)
 
 
+def _patch_weight_norms(layer: _ConvLayer, inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor | None:
+    """``(B,)`` per-example squared weight-gradient norms through the patch matrix where ``_patch_weight_grads``
+    applies (``patches_are_small``), without forming its ``(B, *weight.shape)`` layout; else None."""
+    num_positions = math.prod(backprops.shape[2:])
+    if not patches_are_small(num_positions, layer.out_channels // layer.groups):
+        return None
+    padded, _ = _padded_input(layer, inputs, explicit=True)
+    return patch_squared_norms(layer, padded, backprops)
+
+
+def _patch_weight_backward(layer: _ConvLayer, inputs: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+    """The summed weight gradient for output gradient ``grads`` as one product over the patches where the
+    output has few positions (``positions_are_few``), else None (the backend's weight backward)."""
+    if not positions_are_few(math.prod(grads.shape[2:])):
+        return None
+    padded, _ = _padded_input(layer, inputs, explicit=True)
+    return patch_weight_backward(layer, padded, grads).reshape(layer.weight.shape)
+
+
 _FORMS = ConvolutionForms(
-    weight_backward=_weight_backward, gram_weight_norms=_gram_weight_norms, patch_weight_grads=_patch_weight_grads
+    weight_backward=_weight_backward,
+    gram_weight_norms=_gram_weight_norms,
+    patch_weight_grads=_patch_weight_grads,
+    patch_weight_norms=_patch_weight_norms,
+    patch_weight_backward=_patch_weight_backward,
 )
 _per_sample_weight_grads = _FORMS.per_sample_weight_grads  # (B, *weight.shape); the benchmarks time it
 

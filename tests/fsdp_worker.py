@@ -217,9 +217,11 @@ def refusals() -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for mode in ("hooks", "ghost", "auto"):
         try:
-            PrivacyEngine().make_private(module=model, optimizer=optimizer,
-                                         data_loader=DataLoader(IndexedData(20), batch_size=4),
-                                         noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)  # fmt: skip
+            _, built, _ = PrivacyEngine().make_private(module=model, optimizer=optimizer,
+                                                       data_loader=DataLoader(IndexedData(20), batch_size=4),
+                                                       noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+                                                       noise_seed=1)  # fmt: skip
+            built.remove_hooks()  # the scenarios after this one hook their own models
             result[mode] = None
         except NotImplementedError as error:
             result[mode] = str(error)
@@ -241,17 +243,16 @@ def refusals() -> dict:
 
 
 def mixed_precision() -> dict:
-    """FSDP2 mixed precision (bf16 parameters in forward/backward) is refused before any gradient."""
+    """FSDP2 mixed precision in float16 is refused before any gradient (bfloat16: tests/test_fsdp_noise.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = mlp()
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))  # fmt: skip
-    clipping = FSDPGhostClipping(model, max_grad_norm=1.0)
-    dataset = IndexedData(8)
-    losses = mlp_losses(model, (dataset.features, dataset.labels, None))
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))  # fmt: skip
     try:
-        clipping.backward(losses)
+        clipping = FSDPGhostClipping(model, max_grad_norm=1.0)
+        dataset = IndexedData(8)
+        clipping.backward(mlp_losses(model, (dataset.features, dataset.labels, None)))
     except NotImplementedError as error:
         return {"error": str(error), "grads": [p.grad is None for p in model.parameters()]}
     return {"error": None}

@@ -16,7 +16,7 @@ from torch import nn
 
 import grad_samplers
 import grad_samplers.conv as conv_module
-from grad_samplers._convolution import patches_are_small
+from grad_samplers._convolution import patches_are_small, positions_are_few
 
 DOUBLE = torch.float64
 FORMS = {
@@ -123,3 +123,48 @@ def test_both_forms_give_the_same_float32_result_to_rounding():
         with mock.patch.object(conv_module, "patches_are_small", rule):
             results[form] = conv_module.conv_grad_sample(layer, (inputs,), backprops)[layer.weight]
     torch.testing.assert_close(results["patches"], results["grouped"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}d-g{c[7]}-{c[8]}-{c[5]}")
+def test_patch_norm_and_both_weighted_sum_forms_match_a_float64_per_example_loop(config):
+    """The norms through the patch columns (``patch_weight_norms``: the Gram form turned off) and the clipped
+    sum both as one product over the patches (``patch_weight_backward``) and as the backend's weight backward."""
+    torch.manual_seed(len(config[9]) * 100 + config[1] + 7)
+    layer = _layer(config)
+    inputs = torch.randn(config[10], config[1], *config[9], dtype=DOUBLE)
+    if config[0] == 2 and config[1] % 2 == 0:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    target = torch.randn_like(layer(inputs))
+    expected = _per_example(copy.deepcopy(layer), inputs, target)
+    activations, backprops = _activations_and_backprops(copy.deepcopy(layer), inputs, target)
+    weights = torch.rand(config[10], dtype=DOUBLE)
+    with (
+        mock.patch.object(conv_module, "patches_are_small", FORMS["patches"]),
+        mock.patch.object(conv_module, "gram_is_cheaper", lambda *args: False),
+    ):
+        norms = conv_module.conv_norm_sample(layer, activations, backprops)
+    sums = {}
+    for form, rule in (("patches", True), ("backend", False)):
+        with mock.patch.object(conv_module, "positions_are_few", lambda *args, rule=rule: rule):
+            sums[form] = conv_module.conv_weighted_sum(layer, activations, backprops, weights)
+    for name in ("weight", "bias"):
+        param = getattr(layer, name)
+        torch.testing.assert_close(norms[param], expected[name].flatten(1).square().sum(dim=1), rtol=RTOL, atol=ATOL)
+        for form in ("patches", "backend"):
+            torch.testing.assert_close(
+                sums[form][param], torch.einsum("b,b...->...", weights, expected[name]), rtol=RTOL, atol=ATOL
+            )
+
+
+def test_the_patch_weight_backward_is_chosen_for_few_positions():
+    assert positions_are_few(1)  # ResNet's last stage at 32x32
+    assert not positions_are_few(4)
+    calls = []
+    original = conv_module.patch_weight_backward
+    with mock.patch.object(conv_module, "patch_weight_backward", lambda *a: calls.append(1) or original(*a)):
+        for size, used in (((1, 1), True), ((2, 2), False)):
+            calls.clear()
+            layer = nn.Conv2d(4, 16, 3, padding=1, groups=2)
+            conv_module.conv_weighted_sum(layer, (torch.randn(3, 4, *size),), torch.randn(3, 16, *size), torch.rand(3))
+            assert bool(calls) == used

@@ -185,3 +185,53 @@ def test_wrapper_signature_is_the_models_own_forward_even_through_the_fallback()
         assert inspect.signature(wrapped.forward) == expected
         x = torch.randn(4, 3)
         torch.testing.assert_close(wrapped(x, shift=1.0), model.linear(x) * model.scale[:3] + 1.0)
+
+
+class _TinyImageModel(torch.nn.Module):
+    """A convolutional model in Trainer's calling convention (``pixel_values``, ``labels`` -> ``{"loss"}``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 2, 3), torch.nn.GroupNorm(1, 2), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 2)
+        )
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.net(pixel_values)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class _ImageDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        return {"pixel_values": torch.randn(1, 6, 6, generator=generator), "labels": torch.tensor(index % 2)}
+
+
+@pytest.mark.parametrize(
+    ("kind", "named", "ghost"),
+    [("cnn", None, True), ("cnn", "hooks", False), ("bert", None, False), ("bert", "ghost", True)],
+)
+def test_dp_trainer_default_mode_is_make_privates_auto_choice(tmp_path, kind: str, named, ghost: bool) -> None:
+    """No ``grad_sample_mode`` given: the trainer's wrapper is the one ``make_private``'s ``"auto"`` builds
+    (ghost for a model with trainable convolutions, hooks for BERT); a named mode is kept."""
+    from privacy_engine import GhostClippingModule, GradSampleModule
+
+    build, dataset = (_TinyImageModel, _ImageDataset()) if kind == "cnn" else (_model, TokenDataset())
+    trainer = DPTrainer(
+        model=build(), args=_arguments(tmp_path), train_dataset=dataset,
+        privacy_engine=PrivacyEngine(accountant="rdp"), noise_multiplier=1.0, **({} if named is None else {"grad_sample_mode": named}),
+    )  # fmt: skip
+    assert isinstance(trainer.get_train_dataloader(), DPDataLoader)
+    assert isinstance(trainer.private_model, GradSampleModule)
+    assert isinstance(trainer.private_model, GhostClippingModule) == ghost
+    model = build()
+    reference, _, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(dataset, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        **({} if named is None else {"grad_sample_mode": named}),
+    )  # fmt: skip
+    assert type(reference) is type(trainer.private_model)

@@ -157,6 +157,58 @@ def test_ghost_mode_equals_the_plain_engine_loop() -> None:
     _assert_same_parameters(module, reference)
 
 
+def _small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, CLASSES)
+    ).double()
+
+
+class ImageClassifier(Classifier):
+    """A LightningModule with a trainable convolution: ``make_private``'s ``"auto"`` picks ghost for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _small_cnn()
+        generator = torch.Generator().manual_seed(2)
+        images = torch.randn(EXAMPLES, 1, 6, 6, generator=generator, dtype=torch.float64)
+        self.data = TensorDataset(images, torch.randint(0, CLASSES, (EXAMPLES,), generator=generator))
+
+
+@pytest.mark.parametrize("named", [None, "hooks"], ids=["default", "hooks-named"])
+def test_default_mode_is_make_privates_auto_choice(named: str | None) -> None:
+    from privacy_engine import GhostClippingModule
+
+    module = ImageClassifier()
+    strategy = _strategy(**({} if named is None else {"grad_sample_mode": named}))
+    _trainer(strategy, max_epochs=1).fit(module)
+    # The reference: make_private on the same network with grad_sample_mode not given (its default) or named.
+    net = _small_cnn()
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+        data_loader=DataLoader(module.data, batch_size=8), noise_multiplier=1.0, max_grad_norm=CLIP,
+        noise_generator=torch.Generator().manual_seed(7), **({} if named is None else {"grad_sample_mode": named}),
+    )  # fmt: skip
+    assert isinstance(strategy.private_model, GhostClippingModule) == (named is None)
+    assert isinstance(model, GhostClippingModule) == (named is None)
+    for features, labels in loader:
+        optimizer.zero_grad()
+        if len(features):
+            nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+    _assert_same_parameters(module, net)
+
+
+def test_default_mode_on_a_model_without_convolutions_is_hooks() -> None:
+    from privacy_engine import GhostClippingModule, GradSampleModule
+
+    strategy = _strategy()
+    _trainer(strategy, max_epochs=1, max_steps=1).fit(Classifier())
+    assert isinstance(strategy.private_model, GradSampleModule)
+    assert not isinstance(strategy.private_model, GhostClippingModule)
+
+
 # ---------------------------------------------------------------------------------------- accounting
 def test_epsilon_is_logged_each_epoch_and_equals_dp_accounting(tmp_path) -> None:
     strategy = _strategy()

@@ -53,24 +53,25 @@ def reference_clipped_sum(model, inputs, targets, max_grad_norm):
     return [totals[n] for n in names]
 
 
-def noise_draws(seed, params, noise_multiplier, max_grad_norm):
+def noise_draws(seed, params, noise_multiplier, max_grad_norm, noise_stream="mt19937"):
     """The noise GaussianNoise(seed) adds at its first step to tensors shaped like params."""
     tensors = [torch.zeros_like(p) for p in params]
-    GaussianNoise(seed=seed).add_noise_(tensors, noise_multiplier, max_grad_norm)
+    GaussianNoise(seed=seed, noise_stream=noise_stream).add_noise_(tensors, noise_multiplier, max_grad_norm)
     return tensors
 
 
 # ---------------------------------------------------------------------------- the update
-def test_update_is_clipped_sum_plus_noise_over_expected_batch_size():
+@pytest.mark.parametrize("noise_stream", ["mt19937", "counter-v1"])
+def test_update_is_clipped_sum_plus_noise_over_expected_batch_size(noise_stream):
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
     inputs, targets = make_batch(6)
     clipped = reference_clipped_sum(model, inputs, targets, 0.5)
-    noise = noise_draws(3, list(model.parameters()), 1.3, 0.5)
+    noise = noise_draws(3, list(model.parameters()), 1.3, 0.5, noise_stream)
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.3, max_grad_norm=0.5,
-        expected_batch_size=10, noise_seed=3,
+        expected_batch_size=10, noise=GaussianNoise(seed=3, noise_stream=noise_stream),
     )  # fmt: skip
     connect_private(wrapped, optimizer)
     backward(wrapped, inputs, targets)

@@ -20,7 +20,7 @@ from typing_extensions import Unpack
 from accountants import Accountant
 from privacy_engine.auditing.config import AuditConfig
 from privacy_engine.auditing.report import AuditReport, audit_report
-from privacy_engine.engine import checkpoint
+from privacy_engine.engine import checkpoint, sharded
 from privacy_engine.engine.budget import PrivacyBudget, step_kwargs_of
 from privacy_engine.engine.build import private_optimizer, wrap_model
 from privacy_engine.engine.noise_plan import NoisePlan
@@ -231,6 +231,9 @@ class PrivacyEngine:
         """options -> plan -> build, for either entry point (``settings``: ``PrivacyOptions``' fields;
         a subclass calls it with the objects and settings its own signature took)."""
         options = options_from(entry_point, dict(settings))
+        if sharded.is_fsdp2(model):
+            # fully_shard: ghost clipping on the shards; what it cannot do is refused here (engine.sharded).
+            options = sharded.fsdp_options(options, model)
         plan = make_plan(options, model=model, optimizer=optimizer, data_loader=loader, accountant=self.accountant,
                          secure_mode=self.secure_mode)  # fmt: skip
         return self._build(plan, options.budget())
@@ -238,6 +241,13 @@ class PrivacyEngine:
     def _build(self, plan: Plan, budget: PrivacyBudget | None) -> Private:
         # Each optimizer of this engine is its own mechanism in the ledger (the first keeps "").
         source = "" if self._optimizers_made == 0 else str(self._optimizers_made)
+        if plan.distributed is not None and sharded.is_fsdp2(plan.model):
+            fsdp_optimizer = sharded.private_fsdp_optimizer(plan, plan.optimizer, accountant=self.accountant,
+                                                            secure_mode=self.secure_mode, budget=budget,
+                                                            source=source)  # fmt: skip
+            self._optimizers_made += 1
+            self.noise_plan, self.budget, self._last_optimizer = plan.noise_plan, budget, fsdp_optimizer
+            return plan.model, fsdp_optimizer, plan.private_loader
         optimizer = private_optimizer(plan, accountant=self.accountant, secure_mode=self.secure_mode, budget=budget,
                                       source=source)  # fmt: skip
         self._optimizers_made += 1

@@ -61,6 +61,7 @@ import transformers
 from torch.utils.data import DataLoader, IterableDataset
 
 from privacy_engine.engine import PrivacyEngine
+from privacy_engine.engine.mode_choice import AUTO
 from privacy_engine.noise.secure_random import full_entropy_generator
 from privacy_engine.settings_checks import check_noise_seed
 
@@ -132,9 +133,10 @@ class DPTrainer(transformers.Trainer):
 
     Args (besides ``Trainer``'s): privacy_engine (default ``PrivacyEngine()``: its accountant records the
     steps), noise_multiplier or target_epsilon, target_delta, max_grad_norm (per-example clipping bound),
-    grad_sample_mode (``"hooks"`` or ``"ghost"``), noise_seed (an int for reproducible noise and sampling;
-    ``None``: OS entropy, never Trainer's ``seed``), and any other keyword of ``PrivacyEngine.make_private``
-    in ``private_options``.
+    grad_sample_mode (default ``"auto"``, as ``make_private``: ghost for a CNN whose every layer has a sampler,
+    hooks otherwise, the choice logged by ``privacy_engine.engine.mode_choice``; or ``"hooks"``/``"ghost"``),
+    noise_seed (an int for reproducible noise and sampling; ``None``: OS entropy, never Trainer's ``seed``), and
+    any other keyword of ``PrivacyEngine.make_private`` in ``private_options``.
     """
 
     def __init__(
@@ -147,7 +149,7 @@ class DPTrainer(transformers.Trainer):
         target_epsilon: float | None = None,
         target_delta: float = 1e-5,
         max_grad_norm: float = 1.0,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = AUTO,
         noise_seed: int | None = None,
         private_options: dict[str, Any] | None = None,
         **trainer_kwargs: Any,

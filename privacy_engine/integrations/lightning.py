@@ -79,6 +79,7 @@ from privacy_engine.batches.tickets import find_ticket, tag_batch
 from privacy_engine.engine import PrivacyEngine
 from privacy_engine.engine.budget import PrivacyBudgetExceeded
 from privacy_engine.engine.checkpoint import build_checkpoint, check_plain, restore_checkpoint
+from privacy_engine.engine.mode_choice import AUTO
 from privacy_engine.noise.secure_random import full_entropy_generator
 from privacy_engine.settings_checks import check_noise_seed
 from privacy_engine.training.data_loader import DPDataLoader
@@ -258,7 +259,9 @@ class DPStrategy(SingleDeviceStrategy):
     Args: noise_multiplier or target_epsilon; target_delta (the delta of the logged epsilon and of the budget);
     max_grad_norm (per-example clipping bound); epochs (the run ``target_epsilon`` is calibrated for; default
     from the Trainer); max_epsilon (a budget with ``noise_multiplier``; with ``target_epsilon`` it defaults to
-    ``target_epsilon``); grad_sample_mode (``"hooks"`` or ``"ghost"``); privacy_engine (default a new
+    ``target_epsilon``); grad_sample_mode (default ``"auto"``, as ``make_private``: ghost for a CNN whose every
+    layer has a sampler, hooks otherwise, the choice logged by ``privacy_engine.engine.mode_choice``; or
+    ``"hooks"``/``"ghost"``); privacy_engine (default a new
     ``PrivacyEngine()``, whose accountant records the steps); noise_seed (an int for reproducible noise and
     sampling); log_epsilon (``"epoch"`` or ``"step"``); device (default: the Trainer accelerator's first
     device); private_options (any other keyword of ``make_private``).
@@ -275,7 +278,7 @@ class DPStrategy(SingleDeviceStrategy):
         max_grad_norm: float = 1.0,
         epochs: int | None = None,
         max_epsilon: float | None = None,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = AUTO,
         privacy_engine: PrivacyEngine | None = None,
         noise_seed: int | None = None,
         log_epsilon: str = "epoch",

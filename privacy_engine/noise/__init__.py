@@ -16,6 +16,8 @@ Where things are:
   loss, sensitivity and optimiser, and its event kind ``"blt"`` (un-amplified).
 * ``strategy.py``: BandMF's banded Toeplitz strategies: their error and the optimiser that picks them.
 * ``prefetch.py``: the background thread that draws the next step's noise while the step runs.
+* ``counter_stream.py``: the counter-keyed noise stream (``noise_stream="counter-v1"``), drawn on several
+  threads with the same numbers at any thread count; ``"mt19937"`` (one serial generator) stays the default.
 * ``secure_random.py``: OS randomness for ``secure_mode`` (full-entropy generators and choices).
 
 Each mechanism states its privacy event (``privacy_event()``, an ``accountants.events.EventSpec``: an

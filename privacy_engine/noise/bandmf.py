@@ -102,6 +102,7 @@ class BandMFNoise(NoiseMechanism):
         secure_mode: bool = False,
         column_normalize_for_steps: int | None = None,
         prefetch: bool | None = None,
+        noise_stream: str = "mt19937",
     ) -> None:
         if isinstance(coefficients, torch.Tensor):
             coefficients = coefficients.detach().cpu().double().numpy()
@@ -115,7 +116,7 @@ class BandMFNoise(NoiseMechanism):
                 "column_normalize_for_steps must be None or a positive int (the number of steps "
                 f"of the run), got {column_normalize_for_steps!r}"
             )
-        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch)
+        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch, noise_stream=noise_stream)
         self.column_normalize_for_steps = (
             None if column_normalize_for_steps is None else int(column_normalize_for_steps)
         )

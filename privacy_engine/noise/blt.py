@@ -554,12 +554,13 @@ class BLTNoise(NoiseMechanism):
         seed: int | None = None,
         secure_mode: bool = False,
         prefetch: bool | None = None,
+        noise_stream: str = "mt19937",
     ) -> None:
         if not isinstance(strategy, BLTStrategy):
             raise TypeError(f"strategy must be a BLTStrategy (e.g. optimize_blt(...)), got {type(strategy).__name__}")
         min_sep = _positive_int("min_sep", min_sep)
         total_steps = _steps("total_steps", total_steps)
-        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch)
+        super().__init__(seed=seed, secure_mode=secure_mode, prefetch=prefetch, noise_stream=noise_stream)
         self.strategy = strategy
         self.min_sep = min_sep
         self.total_steps = total_steps

@@ -22,6 +22,7 @@ import torch
 
 from accountants.events import EventSpec, Sampling
 from privacy_engine.interrupts import deferred_signals
+from privacy_engine.noise import counter_stream
 from privacy_engine.noise import prefetch as noise_prefetch
 from privacy_engine.noise.layout import (
     _SECURE_MODE_GENERATORS,
@@ -66,7 +67,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
     19937 bits per CPU generator, 64 per CUDA generator, instead of the 32 bits torch's
     ``manual_seed`` keeps on CPU), and no seed or generator state is ever written to a
     ``state_dict``, so a checkpoint cannot reproduce future noise (a resumed secure run draws
-    fresh OS-seeded generators). What it does not promise, and what to do about it:
+    fresh OS-seeded generators). On the counter stream (``noise_stream="counter-v1"``) the four
+    generators are four 128-bit Philox keys from the OS (each chunk's Mersenne Twister state is
+    Philox output under a secret key), likewise never saved. What it does not promise, and what to
+    do about it:
 
     * The generators (Mersenne Twister on CPU, Philox on CUDA) are statistically strong, not
       cryptographically secure; full-entropy state rules out seed search, not a structural
@@ -95,13 +99,26 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
             device holds at least ``noise_prefetch.MIN_PREFETCH_NUMEL`` entries; ``True``: always;
             ``False``: never. The noise added is bit for bit the same either way
             (``privacy_engine.noise.prefetch``).
+        noise_stream: which random stream the standard draws come from. ``"mt19937"`` (default): one
+            serial torch generator per device, the stream of every run and checkpoint before
+            ``"counter-v1"``. ``"counter-v1"``: the counter-keyed stream of
+            ``privacy_engine.noise.counter_stream``, drawn on ``torch.get_num_threads()`` threads with the
+            same numbers at any thread count. The distribution (iid Gaussian) and so the privacy guarantee
+            are the same; the seeded numbers differ. A loaded ``state_dict`` continues on the stream it was
+            saved with (a state without a stream name is ``"mt19937"``).
     """
 
-    def __init__(self, *, seed: int | None = None, secure_mode: bool = False, prefetch: bool | None = None) -> None:
+    def __init__(
+        self, *, seed: int | None = None, secure_mode: bool = False, prefetch: bool | None = None,
+        noise_stream: str = counter_stream.STREAM_MT,
+    ) -> None:  # fmt: skip
         check_unseeded_in_secure_mode("seed", seed, secure_mode=secure_mode)
         check_noise_seed(seed, name="seed")
         if prefetch is not None and not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
+        if noise_stream not in counter_stream.NOISE_STREAMS:
+            raise ValueError(f"noise_stream must be one of {list(counter_stream.NOISE_STREAMS)}, got {noise_stream!r}")
+        self.noise_stream = noise_stream
         self.prefetch = prefetch
         self.secure_mode = bool(secure_mode)
         # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
@@ -194,8 +211,14 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         max_grad_norm: float,
         *,
         on_commit: Callable[[], None] | None = None,
+        divide_by: float | None = None,
     ) -> None:
         """Add this step's noise in place to each tensor and advance the step index by one.
+
+        ``divide_by``: also divide each tensor by this number (the optimizer's expected batch size), in the
+        same pass over memory as the noise (the sum plus noise is rounded, then divided: the same two roundings
+        as adding and dividing in two passes). ``None``: no division. A positive finite number, else
+        ``ValueError`` before anything changes.
 
         ``tensors`` are the clipped gradient sums, one per parameter; they may differ in shape,
         dtype and device, but the list (shapes, dtypes, devices, order) must be the same at
@@ -237,6 +260,9 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         """
         scale = self._validated_noise_scale(noise_multiplier, max_grad_norm)
         std = self.noise_std(noise_multiplier, max_grad_norm)
+        if divide_by is not None and (isinstance(divide_by, bool) or not isinstance(divide_by, (int, float))
+                                      or not math.isfinite(divide_by) or divide_by <= 0):  # fmt: skip
+            raise ValueError(f"divide_by must be a positive finite number (the expected batch size), got {divide_by!r}")
         tensors = list(tensors)
         signature = self._check_tensors(tensors)
         self._before_step(scale)
@@ -253,9 +279,21 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 if drawn:
                     for group in self._groups:
                         self._ensure_buffers(group)
-                        self._fill_standard_noise(group, std)
-                        row_scale = self._form_noise(group)
-                        self._add_to_tensors(group, [tensors[i] for i in group.tensor_indices], row_scale)
+                        targets = [tensors[i] for i in group.tensor_indices]
+                        if self._adds_while_drawing(group, targets):
+                            # Counter stream: each chunk is added (and divided) by the thread that drew it, right
+                            # after drawing it, so the add runs on as many threads as the draw.
+                            def add_chunk(start: int, end: int, group=group, targets=targets) -> None:
+                                self._add_to_tensors(group, targets, 1.0, divide_by, span=(start, end))
+
+                            self._fill_standard_noise(group, std, after_chunk=add_chunk)
+                            self._form_noise(group)  # the base class's: nothing to form (kept for its place)
+                        else:
+                            self._fill_standard_noise(group, std)
+                            row_scale = self._form_noise(group)
+                            self._add_to_tensors(group, targets, row_scale, divide_by)
+                elif divide_by is not None:
+                    torch._foreach_div_(tensors, divide_by)
                 with deferred_signals():
                     self._commit(drawn, on_commit)
                     committed = True
@@ -434,11 +472,18 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         return groups
 
     def _new_generators(self, device: torch.device, device_index: int) -> list[torch.Generator]:
+        """The device's generators: torch generators (``"mt19937"``) or the keys of the counter stream, which
+        stand in their place (``counter_stream.StreamKey``: same ``get_state``/``set_state``)."""
+        counter = getattr(self, "noise_stream", counter_stream.STREAM_MT) == counter_stream.STREAM_COUNTER
         if self.secure_mode:
+            if counter:
+                return counter_stream.secure_stream_keys(_SECURE_MODE_GENERATORS)
             return [full_entropy_generator(device) for _ in range(_SECURE_MODE_GENERATORS)]
         if self._seed is None:  # the lazy draw (see __init__ and seed_lazily_from)
             source = getattr(self, "_seed_source", None)
             self._seed = _global_generator_seed() if source is None else _global_generator_seed(source)
+        if counter:
+            return [counter_stream.stream_key(self._seed, device_index, self._layout_restarts)]
         generator = torch.Generator(device=device)
         generator.manual_seed(_derived_seed(self._seed, device_index, 0, self._layout_restarts))
         return [generator]
@@ -457,10 +502,14 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         if rows > 0 and group.history is None:
             group.history = torch.zeros(rows, group.numel, dtype=group.dtype, device=group.device)
 
-    def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
+    def _fill_standard_noise(
+        self, group: _DeviceGroup, std: float, after_chunk: Callable[[int, int], None] | None = None
+    ) -> None:
         """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is
         exactly what drawing now gives (the generators then move on as drawing would have moved them), else
-        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both)."""
+        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both).
+        ``after_chunk(start, end)``: called for pieces of the draw that together cover it, each once it is drawn
+        (``noise_prefetch.draw_standard_noise``; a draw made ahead: once, over the whole vector)."""
         group.formed_ahead = False
         ahead = self._draws_ahead.pop(id(group), None)
         if (
@@ -468,6 +517,7 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
             and ahead.wait()
             and ahead.buffer is group.next_noise
             and ahead.matches(group.generators, std)
+            and ahead.counter_step in (None, self._step)
             and (ahead.formed is None or ahead.formed == self._form_ahead_key(group))
         ):
             group.noise, group.next_noise = group.next_noise, group.noise
@@ -475,9 +525,26 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
             for generator, shadow in zip(group.generators, ahead.shadows):
                 generator.set_state(shadow.get_state())
             group.formed_ahead = ahead.formed is not None
+            if after_chunk is not None:
+                after_chunk(0, group.numel)
             return
         # Secure mode: the sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
-        noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode)
+        noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode,
+                                           step=self._step, after_chunk=after_chunk)  # fmt: skip
+
+    def _adds_while_drawing(self, group: _DeviceGroup, targets: list[torch.Tensor]) -> bool:
+        """Whether this step's noise can be added chunk by chunk as it is drawn: the counter stream, the
+        mechanism's noise is the standard draw itself (no ``_form_noise`` of its own) and the tensors are
+        contiguous, of the noise's dtype, on CPU."""
+        # Only for the counter stream, whose chunks are drawn on several threads: each thread then also adds its
+        # chunks. For the serial stream adding piece by piece measured no faster than one add after the draw
+        # (the add is not memory-bound here) and a few per cent slower in Python, so it adds after the draw.
+        return (
+            type(self)._form_noise is NoiseMechanism._form_noise
+            and isinstance(group.generators[0], counter_stream.StreamKey)
+            and group.device.type == "cpu"
+            and all(t.dtype == group.dtype and t.is_contiguous() for t in targets)
+        )
 
     # ------------------------------------------------------------------ drawing ahead (noise.prefetch)
     def _prefetching(self) -> bool:
@@ -492,6 +559,7 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 continue
             if self.prefetch is None and group.numel < noise_prefetch.MIN_PREFETCH_NUMEL:
                 continue
+            counter = isinstance(group.generators[0], counter_stream.StreamKey)
             if group.next_noise is None:
                 group.next_noise = torch.empty_like(group.noise)
                 group.next_views = [
@@ -500,16 +568,22 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 ]
                 if self.secure_mode:
                     group.next_scratch = torch.empty_like(group.noise)
-                group.shadow_generators = [torch.Generator(device=group.device) for _ in group.generators]
             states = [generator.get_state() for generator in group.generators]
-            for shadow, state in zip(group.shadow_generators, states):
-                shadow.set_state(state)
+            if counter:
+                # A key does not change when drawing: the draw ahead uses the keys themselves at the next step.
+                shadows = list(group.generators)
+            else:
+                if len(group.shadow_generators) != len(group.generators):
+                    group.shadow_generators = [torch.Generator(device=group.device) for _ in group.generators]
+                shadows = group.shadow_generators
+                for shadow, state in zip(shadows, states):
+                    shadow.set_state(state)
             form, formed = self._form_ahead(group)
             future = noise_prefetch.submit(noise_prefetch.draw_and_form, group.next_noise, group.next_scratch,
-                                           group.shadow_generators, std, self.secure_mode, form)  # fmt: skip
+                                           shadows, std, self.secure_mode, form, self._step)  # fmt: skip
             self._draws_ahead[id(group)] = noise_prefetch.PendingDraw(
-                buffer=group.next_noise, std=std, start_states=states, shadows=group.shadow_generators, future=future,
-                formed=formed,
+                buffer=group.next_noise, std=std, start_states=states, shadows=shadows, future=future,
+                formed=formed, counter_step=self._step if counter else None,
             )  # fmt: skip
 
     def _wait_for_draws_ahead(self) -> None:
@@ -517,7 +591,25 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
             ahead.wait()
 
     @staticmethod
-    def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float) -> None:
+    def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float,
+                        divide_by: float | None = None, span: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """Add ``scale`` times the noise to the tensors, then divide them by ``divide_by`` (if given). ``span``:
+        only the entries ``[start, end)`` of the flat layout (contiguous tensors of the noise's dtype)."""
+        if span is not None:
+            start, end = span
+            pieces, noises = [], []
+            for tensor, offset in zip(tensors, group.offsets):
+                low, high = max(start, offset), min(end, offset + tensor.numel())
+                if low < high:
+                    pieces.append(tensor.view(-1)[low - offset : high - offset])
+                    noises.append(group.noise[low:high])
+            if scale == 1.0:
+                torch._foreach_add_(pieces, noises)
+            else:
+                torch._foreach_add_(pieces, noises, alpha=scale)
+            if divide_by is not None:
+                torch._foreach_div_(pieces, divide_by)
+            return
         same_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype == group.dtype]
         other_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype != group.dtype]
         if same_dtype:
@@ -526,5 +618,9 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                 torch._foreach_add_(list(targets), list(noises))
             else:
                 torch._foreach_add_(list(targets), list(noises), alpha=scale)
+            if divide_by is not None:
+                torch._foreach_div_(list(targets), divide_by)
         for target, noise in other_dtype:
             target.add_(noise.to(target.dtype) if scale == 1.0 else (noise * scale).to(target.dtype))
+            if divide_by is not None:
+                target.div_(divide_by)

@@ -33,7 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_PREFETCH_NUMEL", "PendingDraw", "draw_and_form", "draw_standard_noise", "spare_core", "submit"]
+from privacy_engine.noise import counter_stream
+
+__all__ = [
+    "MIN_PREFETCH_NUMEL",
+    "PendingDraw",
+    "draw_and_form",
+    "draw_standard_noise",
+    "spare_core",
+    "submit",
+]
 
 MIN_PREFETCH_NUMEL = 1 << 16
 
@@ -68,22 +77,37 @@ def submit(function, *args) -> concurrent.futures.Future:
 def draw_standard_noise(
     out: torch.Tensor,
     scratch: torch.Tensor | None,
-    generators: Sequence[torch.Generator],
+    generators: Sequence[torch.Generator] | Sequence[counter_stream.StreamKey],
     std: float,
     secure_mode: bool,
+    *,
+    step: int | None = None,
+    after_chunk: Callable[[int, int], None] | None = None,
 ) -> None:
     """``out`` <- iid ``N(0, std^2)``: one ``normal_`` from ``generators[0]``, or in secure mode the sum of
     one draw at ``std / sqrt(k)`` from each of the ``k`` generators (exactly ``N(0, std^2)`` in
-    distribution; ``scratch`` holds each further draw)."""
+    distribution; ``scratch`` holds each further draw). Keys of the counter stream instead of generators:
+    ``counter_stream.draw_counter_noise`` at ``step`` (the same sum of ``k`` draws in secure mode).
+
+    ``after_chunk(start, end)``: called once per piece of ``out`` once it is drawn, the pieces covering ``out``:
+    the counter stream's chunks (each on the thread that drew it, possibly several at once), or the whole
+    vector for the serial stream. The numbers drawn are the same with or without it."""
+    if generators and isinstance(generators[0], counter_stream.StreamKey):
+        if step is None:
+            raise ValueError("the counter stream draws at a step: pass step")
+        counter_stream.draw_counter_noise(out, scratch, generators, step, std, after_chunk=after_chunk)
+        return
     with torch.no_grad():
         if not secure_mode:
             out.normal_(0.0, std, generator=generators[0])
-            return
-        part_std = std / math.sqrt(len(generators))
-        out.normal_(0.0, part_std, generator=generators[0])
-        for generator in generators[1:]:
-            scratch.normal_(0.0, part_std, generator=generator)
-            out.add_(scratch)
+        else:
+            part_std = std / math.sqrt(len(generators))
+            out.normal_(0.0, part_std, generator=generators[0])
+            for generator in generators[1:]:
+                scratch.normal_(0.0, part_std, generator=generator)
+                out.add_(scratch)
+    if after_chunk is not None:
+        after_chunk(0, out.numel())
 
 
 def draw_and_form(
@@ -93,9 +117,11 @@ def draw_and_form(
     std: float,
     secure_mode: bool,
     form: Callable[[torch.Tensor], None] | None,
+    step: int | None = None,
 ) -> None:
-    """``draw_standard_noise``, then ``form(out)`` (BandMF: the next step's noise from the history), if given."""
-    draw_standard_noise(out, scratch, generators, std, secure_mode)
+    """``draw_standard_noise`` (at ``step`` for the counter stream), then ``form(out)`` (BandMF: the next
+    step's noise from the history), if given."""
+    draw_standard_noise(out, scratch, generators, std, secure_mode, step=step)
     if form is not None:
         with torch.no_grad():
             form(out)
@@ -117,6 +143,7 @@ class PendingDraw:
     shadows: list[torch.Generator]
     future: concurrent.futures.Future
     formed: object = None
+    counter_step: int | None = None  # the counter stream's step the draw is for (None: the serial stream)
 
     def wait(self) -> bool:
         """Block until the draw is done; whether it succeeded (an exception is swallowed: the step then

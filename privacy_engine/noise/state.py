@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from privacy_engine.noise import counter_stream
 from privacy_engine.noise.layout import _generator_state_size, _global_generator_seed
 from privacy_engine.settings_checks import check_noise_seed, check_unseeded_in_secure_mode
 
@@ -59,6 +60,7 @@ class NoiseStateMixin:
             ]
         return {
             "mechanism": type(self).__name__,
+            "noise_stream": self.noise_stream,
             "step": self._step,
             "secure_mode": self.secure_mode,
             "seed": self._seed,
@@ -72,7 +74,9 @@ class NoiseStateMixin:
         """Restore a state from ``state_dict`` so the run continues with exactly the noise the
         uninterrupted run would have added (secure mode: the same history and ring position, with
         fresh OS-seeded generators). The tensors passed to the next ``add_noise_`` must match the
-        saved ones (same shapes, dtypes, number of devices, order).
+        saved ones (same shapes, dtypes, number of devices, order). The run continues on the stream the
+        state was saved with (``noise_stream``; ``"mt19937"`` for a state that names none, i.e. one written
+        before the counter stream existed), whatever stream this mechanism was built with.
 
         Raises ``ValueError`` (and changes nothing) on anything ``check_state_dict`` rejects.
         """
@@ -81,6 +85,14 @@ class NoiseStateMixin:
         # Everything validated: from here on the state is changed.
         self._seed = state["seed"]
         self._layout_restarts = int(state.get("layout_restarts", 0))
+        stream = state.get("noise_stream", counter_stream.STREAM_MT)
+        if stream != self.noise_stream:
+            self.noise_stream = stream
+            self._wait_for_draws_ahead()
+            self._draws_ahead = {}
+            for device_index, group in enumerate(self._groups):
+                # The other stream's generators (or keys); restored from the saved state just below.
+                group.generators = self._new_generators(group.device, device_index)
         self._step = int(state["step"])
         self._load_extra_state(state)
         if self._groups:
@@ -157,6 +169,7 @@ class NoiseStateMixin:
         ================================================  ================================
         not a dict / missing key                          the key
         another mechanism, coefficients, column norm.      mechanism / coefficients
+        a noise stream this version does not know         noise_stream
         secure_mode differs                               secure_mode
         step, seed, ring position of the wrong type       the field
         other device count, sizes, dtypes, device type    the device
@@ -175,6 +188,12 @@ class NoiseStateMixin:
             raise ValueError(
                 f"noise state was saved by a {state['mechanism']!r} mechanism and cannot be loaded into "
                 f"{type(self).__name__}: build the run with the same noise mechanism as the saved one"
+            )
+        stream = state.get("noise_stream", counter_stream.STREAM_MT)
+        if stream not in counter_stream.NOISE_STREAMS:
+            raise ValueError(
+                f"noise state's noise_stream is {stream!r}; this version knows {list(counter_stream.NOISE_STREAMS)}: "
+                "resume with the version of privacy_engine that wrote it (or a newer one)"
             )
         if not isinstance(state["secure_mode"], bool) or state["secure_mode"] != self.secure_mode:
             raise ValueError(
@@ -222,7 +241,7 @@ class NoiseStateMixin:
                         f"noise state's tensor {index} was (shape {a[0]}, {a[1]}), this run's is (shape {b[0]}, "
                         f"{b[1]}): resume with the same trainable parameters in the same order"
                     )
-        self._check_saved_devices(devices, layout)
+        self._check_saved_devices(devices, layout, stream=stream)
 
     @staticmethod
     def _checked_saved_signature(signature: Any, devices: list) -> list:
@@ -243,8 +262,11 @@ class NoiseStateMixin:
         ):
             raise ValueError("noise state's signature and devices disagree on the number of entries (it was altered)")
         return signature
-    def _check_saved_devices(self, devices: list[Any], groups: list[_DeviceGroup] | None = None) -> None:
-        """Each saved device entry is well-formed and, when ``groups`` (a layout) is known, fits it."""
+    def _check_saved_devices(
+        self, devices: list[Any], groups: list[_DeviceGroup] | None = None, *, stream: str | None = None
+    ) -> None:
+        """Each saved device entry is well-formed and, when ``groups`` (a layout) is known, fits it. ``stream``:
+        the noise stream the entries were saved with (default: this mechanism's)."""
         expected_rows = self._history_rows()
         for number, saved in enumerate(devices):
             where = f"noise state's device {number}"
@@ -263,7 +285,8 @@ class NoiseStateMixin:
             if not self.secure_mode:
                 if not isinstance(states, list) or len(states) != 1:
                     raise ValueError(f"{where}: generator_states must be a list of one generator state")
-                size = _generator_state_size(device_type)
+                counter = (stream or self.noise_stream) == counter_stream.STREAM_COUNTER
+                size = 16 if counter else _generator_state_size(device_type)
                 for state in states:
                     if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1
                             and (size is None or state.numel() == size)):  # fmt: skip

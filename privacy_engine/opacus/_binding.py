@@ -8,9 +8,10 @@ not connected to), so this namespace makes that call for the script: when one of
 (``privacy_engine.opacus.GradSampleModule`` and the other ``GradSampleModule*`` classes) or one of its
 optimizers (``privacy_engine.opacus.optimizers.DPOptimizer`` and subclasses) is built, it is connected to
 the newest one of the other kind built here that is still unconnected and that ``connect_private``
-accepts (the wrapper's trainable parameters are all the optimizer's; a fast-clipping wrapper only if its
-clipper is the optimizer's). No loader is attached: the optimizer adopts the private loader of the first
-drawn batch it trains on.
+accepts (the wrapper's trainable parameters are all the optimizer's; a fast-clipping wrapper only if it has
+no clipper yet, and then it clips at the optimizer's ``max_grad_norm``, the bound the noise is calibrated to,
+or if its clipper is the optimizer's). No loader is attached: the optimizer adopts the private loader of the
+first drawn batch it trains on.
 
 ==================================================  ==============================================
 case                                                result
@@ -83,8 +84,10 @@ def _built(piece: Any, own: Any, counterparts: Any, pair: Any) -> None:
 
 
 def _fits(wrapper: Any, optimizer: Any) -> bool:
-    if isinstance(wrapper, GhostClippingModule) and wrapper.clipper is not optimizer.clipper:
-        return False  # as before this namespace connected anything: a fast-clipping wrapper follows its clipper
+    if isinstance(wrapper, GhostClippingModule) and wrapper.clipper is not None and wrapper.clipper is not optimizer.clipper:
+        # A fast-clipping wrapper that already clips with its own clipper (used alone, at its max_grad_norm) keeps
+        # it; one without a clipper yet gets the optimizer's at connection (connect_private attaches it).
+        return False
     return connection_refusal(wrapper, optimizer) is None
 
 

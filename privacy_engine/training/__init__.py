@@ -24,5 +24,6 @@ Where things are:
 * ``distributed_sampling.py``: each rank's part of one global (cyclic) Poisson sample.
 * ``fsdp.py``: FSDP2 (``fully_shard``) models: ghost clipping in two backward passes, the clipped sum
   reduce-scattered by FSDP, noise on each rank's shard (built by hand; ``make_private`` refuses FSDP).
+* ``fsdp_noise.py``: ``ShardMechanismNoise``, correlated noise (BandMF, BLT) run on each rank's shard.
 * ``rewrap.py``: a private loader given to ``make_private`` again, turned back into the plain loader it stands for.
 """

@@ -52,8 +52,8 @@ accountant is the same on every rank); the sampling state of all ranks is
 same file (``optimizer.load_state_dict``, ``load_distributed_state(loader, state)``). Save between
 steps: a clipped sum accumulated on another rank mid-step is not in rank 0's state.
 
-Not supported here: FSDP1 (refused, pointing to ``fully_shard``), FSDP2 (``fully_shard``: refused by
-``make_private``; ghost clipping with sharded noise is built by hand with ``privacy_engine.training.fsdp``),
+Not supported here: FSDP1 (refused, pointing to ``fully_shard``), FSDP2 (``fully_shard``: ``make_private``
+builds ghost clipping with sharded noise instead, ``privacy_engine.engine.sharded``),
 ``nn.DataParallel`` (replicas in threads), ``poisson_sampling=False``.
 
 This module: the model wrapper, ``make_private``'s wiring (``unwrap``, ``agree``, ``configure``),
@@ -94,7 +94,7 @@ from privacy_engine.training.distributed_sampling import (
     DistributedPoissonBatchSampler,
     derived_seed,
 )
-from privacy_engine.training.fsdp import fsdp_problem
+from privacy_engine.training.fsdp import fsdp_problem, is_fsdp2
 
 __all__ = [
     "DistributedCyclicPoissonBatchSampler",
@@ -214,8 +214,8 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     FSDP1 (FullyShardedDataParallel)              NotImplementedError pointing to fully_shard
     FSDP2 (fully_shard), grad_sample_mode         NotImplementedError: use "ghost"
     other than "ghost"
-    FSDP2, "ghost"                                NotImplementedError naming privacy_engine.training.fsdp
-                                                  (not yet built by make_private)
+    FSDP2 (fully_shard), "ghost" or "auto"        (model, job in the default group): sharded ghost
+                                                  clipping (``privacy_engine.engine.sharded``)
     DataParallel                                  NotImplementedError saying what is supported
     DDP inside the model                          ValueError: wrap the whole model once
     DDP of DDP                                    TypeError: wrap the model once
@@ -227,6 +227,12 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
             f"{problem}. (make_private supports data parallelism with torch's DistributedDataParallel or "
             "PrivateDataParallel, in hooks, functorch and ghost modes.)"
         )
+    if is_fsdp2(model):
+        # Sharded (fully_shard), ghost mode: the model is kept as it is; the job is that of the default group
+        # (privacy_engine.engine.sharded checks that the parameters' mesh spans it).
+        _require_initialized("make_private with a fully_shard model")
+        return model, _job(None, None, "fully_shard", noise_seed=noise_seed, noise_generator=noise_generator,
+                           secure_mode=secure_mode)  # fmt: skip
     wrappers = (DistributedDataParallel, PrivateDataParallel)
     if not isinstance(model, wrappers):
         nested = next((path for path, m in model.named_modules() if path and isinstance(m, wrappers)), None)
@@ -251,6 +257,13 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
         process_group, timeout = model.process_group, None
     else:
         process_group, timeout = model.process_group, model.timeout
+    return inner, _job(process_group, timeout, type(model).__name__, noise_seed=noise_seed,
+                       noise_generator=noise_generator, secure_mode=secure_mode)  # fmt: skip
+
+
+def _job(process_group: Any, timeout: Any, wrapper: str, *, noise_seed: int | None,
+         noise_generator: torch.Generator | None, secure_mode: bool) -> DistributedJob:  # fmt: skip
+    """This rank's job, its sampling seed and noise fingerprint derived from the user's seed or generator."""
     if noise_generator is not None:
         # Derived from the generator's state, not drawn from it: planning changes nothing of the caller's.
         state_digest = hashlib.sha256(noise_generator.get_state().numpy().tobytes()).digest()
@@ -262,12 +275,11 @@ def unwrap(model: nn.Module, *, noise_seed: int | None = None, noise_generator: 
     else:
         fingerprint = ("none (secure mode)",) if secure_mode else ("none",)
         sampling_seed = None
-    job = DistributedJob(
+    return DistributedJob(
         process_group=process_group, rank=dist.get_rank(process_group), world_size=dist.get_world_size(process_group),
-        timeout=timeout, wrapper=type(model).__name__, sampling_seed=sampling_seed, seed_fingerprint=fingerprint,
+        timeout=timeout, wrapper=wrapper, sampling_seed=sampling_seed, seed_fingerprint=fingerprint,
         secure_mode=secure_mode,
     )  # fmt: skip
-    return inner, job
 
 
 

@@ -2,7 +2,8 @@
 clipping in two backward passes, the clipped sum reduce-scattered by FSDP itself, noise added to each
 rank's shard.
 
-Built by hand for now (``make_private`` refuses FSDP models and names this module)::
+``make_private`` builds these pieces for a ``fully_shard`` model (``privacy_engine.training.fsdp_private``, the
+user's ordinary loop); they can also be built by hand::
 
     for block in model.layers: fully_shard(block)
     fully_shard(model)
@@ -41,7 +42,8 @@ What one global step does:
 
 Not supported yet: hooks/functorch modes (refused), FSDP1 (refused), a parameter shared by two layers or a
 layer called twice in one forward (refused: cross terms), layers without a norm sampler (refused at
-construction), BandMF/BLT noise, mixed precision (refused in ``backward``), checkpoints of the sharded state.
+construction), float16 mixed precision (refused; bfloat16 is supported), checkpoints of the sharded state.
+Correlated noise (BandMF, BLT) per shard: ``privacy_engine.training.fsdp_noise``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accountants.events import EventSpec
 from grad_samplers.registry import NormSampler, norm_sampler_for, registered_layer_samplers
 from privacy_engine.clipping.rule import clip_factors
 from privacy_engine.noise.secure_random import full_entropy_generator
@@ -98,8 +101,8 @@ def fsdp_problem(model: nn.Module, grad_sample_mode: str | None) -> str | None:
     FullyShardedDataParallel (FSDP1) anywhere     message: shard with ``fully_shard`` (FSDP2) instead
     FSDP2, "hooks", "functorch", "ew", "no_op"    message: per-example gradients are not formed on shards;
                                                   use grad_sample_mode="ghost"
-    FSDP2, "ghost", "auto" or None                message: build the step by hand with this module (not
-                                                  yet wired into make_private)
+    FSDP2, "ghost", "auto" or None                None: ``make_private`` builds it
+                                                  (``privacy_engine.training.fsdp_private``)
     ============================================  ==========================================================
     """
     fsdp1 = _fsdp1_class()
@@ -121,12 +124,7 @@ def fsdp_problem(model: nn.Module, grad_sample_mode: str | None) -> str | None:
             "Use grad_sample_mode='ghost' (per-example norms in backward, the clipped sum reduce-scattered by "
             "FSDP; privacy_engine.training.fsdp), or wrap the unsharded model in DistributedDataParallel"
         )
-    return (
-        "the model is sharded with FSDP2 (fully_shard): make_private does not build sharded training yet. Build the "
-        "step by hand with privacy_engine.training.fsdp (FSDPGhostClipping, ShardNoise, FSDPPrivateStep and the "
-        "loader of privacy_engine.training.distributed.distributed_data_loader), or wrap the unsharded model in "
-        "DistributedDataParallel"
-    )
+    return None
 
 
 def _norm_sampler(module: nn.Module) -> NormSampler | None:
@@ -143,6 +141,44 @@ def _norm_sampler(module: nn.Module) -> NormSampler | None:
         if base is not fsdp2 and base in table:
             return table[base].norm_sample
     return None
+
+
+def _precision_problem(model: nn.Module) -> str | None:
+    """Why the FSDP2 mixed-precision policies or parameter dtypes of ``model`` cannot be trained privately, or
+    None. Allowed: parameters kept in 32 or 64 bits, computed in them or in bfloat16 (``param_dtype``), the
+    gradients reduced in 32 bits or more (``reduce_dtype``)."""
+    fsdp2 = _fsdp2_class()
+    for path, module in model.named_modules():
+        low = [name for name, p in module.named_parameters(recurse=False)
+               if p.requires_grad and p.is_floating_point() and torch.finfo(p.dtype).bits < 32]  # fmt: skip
+        if low:
+            return (f"trainable parameters {low} of {path or 'the model'!r} are stored in 16 bits: noise added in 16 "
+                    "bits loses most of its precision. Keep float32 parameters and compute in bfloat16 with "
+                    "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                    "reduce_dtype=torch.float32))")  # fmt: skip
+        if fsdp2 is None or not isinstance(module, fsdp2):
+            continue
+        # FSDP2 keeps each module's policy on its state (no public getter in torch 2.13).
+        policy = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
+        if policy is None or policy.param_dtype is None:
+            continue
+        where = repr(path) if path else "the model"
+        if policy.param_dtype == torch.float16:
+            return (f"{where} is sharded with mixed precision MixedPrecisionPolicy(param_dtype=torch.float16): "
+                    "float16 gradients need loss scaling and may overflow, which per-example norms cannot "
+                    "survive. Use param_dtype=torch.bfloat16 (with reduce_dtype=torch.float32)")  # fmt: skip
+        reduce_dtype = policy.reduce_dtype or policy.param_dtype
+        if reduce_dtype.is_floating_point and torch.finfo(reduce_dtype).bits < 32:
+            return (f"{where} is sharded with mixed precision that reduces gradients in {reduce_dtype}: the clipped "
+                    "sum must be reduced in float32. Add reduce_dtype=torch.float32 to its MixedPrecisionPolicy")  # fmt: skip
+    return None
+
+
+def _upcast(value: Any) -> Any:
+    """A 16-bit floating tensor in float32 (anything else unchanged): what the norm samplers see."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and torch.finfo(value.dtype).bits < 32:
+        return value.float()
+    return value
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,12 +208,24 @@ class FSDPGhostClipping:
     a layer called twice in one forward          RuntimeError in ``backward``, before any gradient
     a layer's output modified in place later     RuntimeError in ``backward``, before any gradient
     ``losses`` not 1-D / not one per example     ValueError in ``backward``, before any gradient
-    16-bit outputs (FSDP mixed precision)        NotImplementedError in ``backward``, before any gradient
+    bfloat16 compute (FSDP ``param_dtype``)      supported: norms and factors in float32/64 (below)
+    float16 ``param_dtype``, 16-bit              NotImplementedError at construction
+    ``reduce_dtype`` or 16-bit stored parameters
+    float16 outputs or losses (autocast)         NotImplementedError in ``backward``, before any gradient
     norm NaN/Inf                                 factor 0: the example contributes nothing
     ``C = 0`` / ``C = inf``                      all factors 0 / no clipping (``clip_factors``)
     empty local batch                            takes part in FSDP's collectives, adds zero
     eval mode / no grad                          nothing kept
     ===========================================  ======================================================
+
+    Mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``):
+    the layers' activations and output gradients are upcast to float32 before the norm samplers see them,
+    the squared norms are summed in float64, the factors and the weighted loss are float32, FSDP reduces the
+    clipped sum in float32 into the float32 sharded gradients, and the noise is added to those in float32.
+    What bfloat16 leaves: the gradients themselves are computed by autograd in bfloat16 (8-bit mantissa),
+    so the norm of the contribution ``f_i g_i`` actually summed can exceed ``C`` by bfloat16 rounding of the
+    backward pass (relative ~1e-2 at most for a few layers), as with any 16-bit DP training; the privacy
+    analysis assumes exact arithmetic. Keep a float32 model (no policy) for the exact bound.
 
     Every rank must call ``backward`` once per step (FSDP's collectives pair the ranks' passes); the
     collectives wait at most the process group's timeout, so a crashed or stalled rank makes the others
@@ -192,6 +240,9 @@ class FSDPGhostClipping:
                 f"{type(model).__name__}. Call fully_shard(model) after sharding its blocks."
             )
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        precision = _precision_problem(model)
+        if precision is not None:
+            raise NotImplementedError(precision)
         self.model = model
         owners: dict[int, str] = {}
         meshes: set = set()
@@ -291,15 +342,12 @@ class FSDPGhostClipping:
                 f"layers {repeated} ran more than once in one forward: their per-example norms need cross terms "
                 "between the calls, not supported under FSDP"
             )
-        low = sorted(
-            {str(t.dtype) for _, _, _, t, _ in calls if t.is_floating_point() and torch.finfo(t.dtype).bits < 32}
-        )
-        if low or (losses.is_floating_point() and torch.finfo(losses.dtype).bits < 32):
-            # Norms and clip factors from 16-bit outputs and output gradients would hold the bound only up to
-            # 16-bit rounding; refused (before any gradient) until they are computed in float32.
+        if any(t.dtype == torch.float16 for _, _, _, t, _ in calls) or losses.dtype == torch.float16:
+            # bfloat16 (FSDP's param_dtype or autocast) is supported; float16 gradients need loss scaling.
             raise NotImplementedError(
-                f"layer outputs or losses in {low or [str(losses.dtype)]}: mixed precision "
-                "(MixedPrecisionPolicy(param_dtype=...)) is not supported yet under FSDP; shard in float32"
+                "layer outputs or losses in torch.float16: mixed precision in float16 is not supported under FSDP "
+                "(gradients need loss scaling and may overflow); use bfloat16 "
+                "(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))"
             )
         batch = losses.shape[0]
         for path, _, _, output, _ in calls:
@@ -315,13 +363,18 @@ class FSDPGhostClipping:
                 # The output did not reach the loss, or no example: nothing to add. (An empty batch still ran
                 # the pass above: its all-gathers pair with the other ranks'.)
                 continue
-            for value in self._samplers[id(module)](module, activations, grad).values():
+            # Mixed precision: the samplers see float32 copies of bfloat16 activations and output gradients.
+            activations = tuple(_upcast(a) for a in activations)
+            for value in self._samplers[id(module)](module, activations, _upcast(grad)).values():
                 squared = squared + value.to(torch.float64)
         norms = squared.sqrt()
-        factors = clip_factors(norms, self.max_grad_norm).to(losses.dtype)
+        # The factors and the weighted loss in float32 at least: a bfloat16 factor could exceed min(1, C/||g||)
+        # by 2^-9 relative (float32 and float64 losses: unchanged).
+        dtype = torch.promote_types(losses.dtype, torch.float32)
+        factors = clip_factors(norms, self.max_grad_norm).to(dtype)
         # FSDP's reduce-scatter averages over the mesh's ranks; the world size in the weights makes it the global
         # sum (an exact power-of-two factor for 2 and 4 ranks).
-        weighted = (factors.detach() * self.world_size * losses).sum()
+        weighted = (factors.detach() * self.world_size * losses.to(dtype)).sum()
         weighted.backward()
         self.last_per_sample_norms = norms.detach()
         return self.last_per_sample_norms
@@ -373,10 +426,38 @@ class ShardNoise:
             generator.manual_seed(derived_seed(int(seed), _SHARD_NOISE_KEY, self.rank))
             self._generators = [generator]
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stream position, for checkpoints (plain data). Secure mode: none (the OS's generators
+        are never saved; a resume draws fresh ones)."""
+        if self.secure_mode:
+            return {"secure_mode": True}
+        return {"secure_mode": False, "rank": self.rank, "generator": self._generators[0].get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` of the same rank: the next draws are those the saved stream would have
+        made. ValueError, nothing changed, for another rank's or another mode's state."""
+        if bool(state.get("secure_mode")) != self.secure_mode:
+            raise ValueError(f"the noise state was saved with secure_mode={state.get('secure_mode')}; this noise has "
+                             f"secure_mode={self.secure_mode}")  # fmt: skip
+        if self.secure_mode:
+            return
+        if int(state["rank"]) != self.rank:
+            raise ValueError(f"the noise state is rank {state['rank']}'s; this is rank {self.rank}: each rank loads "
+                             "its own stream")  # fmt: skip
+        self._generators[0].set_state(state["generator"])
+
     @property
     def std(self) -> float:
         """The noise's standard deviation per coordinate, ``noise_multiplier * max_grad_norm``."""
         return self.noise_multiplier * self.max_grad_norm
+
+    def privacy_event(self) -> EventSpec:
+        """DP-SGD's event (fresh iid Gaussian noise on every coordinate at every step, one band)."""
+        return EventSpec()
+
+    def settings(self) -> dict[str, Any]:
+        """Plain data the ranks must agree on besides sigma, C and the seed: the mechanism (DP-SGD's)."""
+        return {"mechanism": "ShardNoise"}
 
     def add_(self, params: list[torch.Tensor]) -> None:
         """Add this step's noise to the local shard of each parameter's ``.grad`` (in float32 or the
@@ -410,15 +491,20 @@ class FSDPPrivateStep:
     the single-process epsilon. Divides by the *expected* batch size, never the realised one (which
     depends on the data).
 
+    ``noise``: ``ShardNoise`` (DP-SGD), or ``privacy_engine.training.fsdp_noise.ShardMechanismNoise``
+    (BandMF, BLT on the shards): the accountant records the noise's own event
+    (``noise.privacy_event().step_kwargs()``), and a correlated event's ``num_bands`` must equal the loader's
+    ``num_groups`` (cyclic sampling; ``ValueError`` at construction otherwise).
+
     ``accountant`` may be None (nothing recorded: the caller accounts).
 
     Construction is collective when a process group is initialised: every rank's settings (sigma, C, the
-    noise seed, secure mode, sample rate, expected batch size, the parameters' global shapes and dtypes, the
-    accountant) are compared, and ``DistributedSettingsError`` is raised on every rank, naming what
+    noise seed, secure mode, the noise's mechanism and strategy, sample rate, expected batch size, the
+    parameters' global shapes and dtypes, the accountant) are compared, and ``DistributedSettingsError`` is raised on every rank, naming what
     differs, before anything is released (``DistributedStepError`` if a rank does not arrive in time).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, noise: ShardNoise, data_loader: Any, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, noise: Any, data_loader: Any, *,
                  accountant: Any = None) -> None:  # fmt: skip
         sample_rate = getattr(data_loader, "sample_rate", None)
         expected = getattr(data_loader, "expected_batch_size", None)
@@ -428,6 +514,17 @@ class FSDPPrivateStep:
                 "(privacy_engine.training.distributed.distributed_data_loader): the step divides by its global "
                 "expected batch size and accounts its rate"
             )
+        event = noise.privacy_event()
+        num_groups = getattr(data_loader, "num_groups", 1)
+        if event.num_bands != num_groups:
+            # The event's analysis assumes each example takes part at most once in any num_bands consecutive
+            # steps (cyclic sampling over num_bands groups); another grouping would be accounted wrongly.
+            raise ValueError(
+                f"the noise's privacy event needs cyclic sampling over num_bands={event.num_bands} groups and the "
+                f"loader samples over num_groups={num_groups}: build the loader with num_groups={event.num_bands} "
+                "(DistributedDPDataLoader.from_data_loader(..., num_groups=...))"
+            )
+        self.privacy_event = event
         self.optimizer = optimizer
         self.noise = noise
         self.sample_rate = float(sample_rate)
@@ -440,7 +537,7 @@ class FSDPPrivateStep:
                                  secure_mode=noise.secure_mode)  # fmt: skip
             job.agree({
                 "noise_multiplier": noise.noise_multiplier, "max_grad_norm": noise.max_grad_norm,
-                "secure_mode": noise.secure_mode, "sample_rate": self.sample_rate,
+                "secure_mode": noise.secure_mode, "sample_rate": self.sample_rate, "noise": noise.settings(),
                 "expected_batch_size": self.expected_batch_size,
                 "parameters": [(tuple(p.shape), str(p.dtype)) for p in self.params],
                 "accountant": None if accountant is None else (accountant.name, sorted(accountant.settings().items())),
@@ -454,5 +551,6 @@ class FSDPPrivateStep:
                 _local(param.grad).div_(self.expected_batch_size)
         self.optimizer.step()
         if self.accountant is not None:
-            self.accountant.step(noise_multiplier=self.noise.noise_multiplier, sample_rate=self.sample_rate)
+            self.accountant.step(noise_multiplier=self.noise.noise_multiplier, sample_rate=self.sample_rate,
+                                 **self.privacy_event.step_kwargs())  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)

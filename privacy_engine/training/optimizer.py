@@ -46,7 +46,7 @@ from privacy_engine.training.optimizer_arguments import (
     trainable_parameters,
 )
 from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerState
-from privacy_engine.training.parameter_sync import ParameterSync
+from privacy_engine.training.parameter_sync import ParameterSync, parameter_ids
 from privacy_engine.training.release_checks import ReleaseChecks
 from privacy_engine.training.sampling import ShuffledBatches
 from privacy_engine.training.schedules import checked_clip_bounds, checked_noise_multiplier
@@ -348,7 +348,13 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         held = [(i, p) for i, p in enumerate(self.clipper.params) if wrapper_holding(p) is not None]
         if not held:
             return
-        connected = {id(p) for module in self.contract.modules for p in module.parameters()}
+        # Nothing can be refused when no held parameter has grad_sample and the step-time case (sums in the
+        # clipper that no pass explains) cannot apply: skip the walk over the connected modules (the usual
+        # ghost step: the clipper holds sums, and the pass that put them there contributed).
+        explained = not (at_step and self.clipper.has_accumulated and not self.contract.has_contributions)
+        if explained and all(getattr(p, "grad_sample", None) is None for _, p in held):
+            return
+        connected = {i for module in self.contract.modules for i in parameter_ids(module)}
         strays = [(i, p) for i, p in held if id(p) not in connected]
         waiting = [(i, p) for i, p in strays if getattr(p, "grad_sample", None) is not None]
         if not waiting and at_step and strays and self.clipper.has_accumulated and not self.contract.has_contributions:
@@ -454,15 +460,20 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             # Before the noise, as examples: the release is noised(clipped examples + included canaries). The
             # contribution is data-independent and the noise too, so no neighbouring distribution changes.
             self.canaries.add_to_clipped_sums(grads, self._canary_slot(release, loader_step, shuffled_batches))
+        # Divide by the expected batch size, not the realised one: the realised size depends on which examples
+        # were sampled, and dividing by it would release that number without noise (and change the sensitivity).
+        divisor = None
+        if self.loss_reduction == "mean":
+            divisor = self.expected_batch_size * max(release.num_draws, shuffled_batches, 1)
+        # A plain mechanism divides in the pass that adds the noise (same roundings); a wrapper (DDP) adds the
+        # noise on one rank and reduces inside its commit, so the division waits for the reduced sum.
+        fused_divisor = divisor if type(self.noise).add_noise_ is NoiseMechanism.add_noise_ else None
         self._add_noise_and_record(grads, params, release, rows, loader_step, shuffled_batches=shuffled_batches,
-                                   unclipped_count=count)  # fmt: skip
+                                   unclipped_count=count, divide_by=fused_divisor)  # fmt: skip
         for module in self.contract.modules:
             module.forget_forward_batch()  # a later backward must come from a new forward
-        if self.loss_reduction == "mean":
-            # Divide by the expected batch size, not the realised one: the realised size depends
-            # on which examples were sampled, and dividing by it would release that number
-            # without noise (and change the sensitivity).
-            torch._foreach_div_(grads, self.expected_batch_size * max(release.num_draws, shuffled_batches, 1))
+        if divisor is not None and fused_divisor is None:
+            torch._foreach_div_(grads, divisor)
         for param, grad in zip(params, grads):
             if param.grad is not grad:
                 param.grad = grad.to(param.dtype)  # the noised sum, rounded once
@@ -499,12 +510,14 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
     def _add_noise_and_record(
         self, grads: list[torch.Tensor], params: list[nn.Parameter], release: Release, rows: int,
         loader_step: int | None, *, shuffled_batches: int = 0, unclipped_count: torch.Tensor | None = None,
+        divide_by: float | None = None,
     ) -> None:  # fmt: skip
         """Noise the clipped sums ``grads`` in place and record the step, in one commit of the noise
         state (after the discarded BandMF rows of the loader steps not released, see ``_noise_rows``).
         On any error the clipped sums are removed from ``.grad`` before it propagates. Adaptive clipping: the
         count (``unclipped_count``) is noised and the next clip norms set inside the same commit; on an error
-        the count's generator is rolled back and the clip norms stay."""
+        the count's generator is rolled back and the clip norms stay. ``divide_by``: passed to ``add_noise_``
+        (the expected batch size, divided in the same pass as the noise), or None."""
         adaptive = self.clipper.adaptive
         if adaptive is not None:
             adaptive.seed_if_pending()  # an unseeded run's count seed, drawn at its first release
@@ -540,7 +553,11 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
                 if clip_norms is not None:
                     adaptive.set_clip_norms(clip_norms)  # in force from the next step's clipping on
 
-            self.noise.add_noise_(grads, self.gradient_noise_multiplier, self.clipper.sensitivity, on_commit=record)
+            if divide_by is None:
+                self.noise.add_noise_(grads, self.gradient_noise_multiplier, self.clipper.sensitivity, on_commit=record)
+            else:
+                self.noise.add_noise_(grads, self.gradient_noise_multiplier, self.clipper.sensitivity, on_commit=record,
+                                      divide_by=divide_by)  # fmt: skip
         except BaseException:
             if count_generator_state is not None:
                 adaptive.generator.set_state(count_generator_state)

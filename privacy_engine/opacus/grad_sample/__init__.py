@@ -100,6 +100,8 @@ class _OpacusStateDict:
 
     def del_grad_sample(self) -> None:
         """Delete the ``grad_sample`` attribute of every parameter."""
+        if "_earlier_passes" in self.__dict__:
+            self._earlier_passes = {}
         for param in self._module.parameters():
             if hasattr(param, "grad_sample"):
                 del param.grad_sample
@@ -157,7 +159,123 @@ class _HooksSwitch:
             self.training = True
 
 
-class GradSampleModule(_OpacusStateDict, _HooksSwitch, _GradSampleModule):
+class _FastClippingHooksSwitch(_HooksSwitch):
+    """``enable_hooks()`` / ``disable_hooks()`` / ``hooks_enabled`` for the fast-clipping wrapper.
+
+    Guarantee: a training forward run with the hooks disabled is the plain model's forward (every
+    gated layer, attention and ``torch.func`` fallback runs its own forward on the real parameters):
+    its backward fills ``.grad`` with the plain gradient, clips nothing and captures nothing, and a
+    private ``step()`` after it alone releases nothing (the step contract finds no per-sample
+    contribution and raises). A forward run with the hooks
+    enabled is clipped in its backward if the hooks are still enabled then; a backward run with the
+    hooks disabled captures and clips nothing and gives the gated parameters no gradient (Opacus's
+    second pass of its two-pass pattern: here the first pass already clipped). While the hooks are
+    disabled, a gradient reaching a parameter is the plain one and is let through (with them enabled,
+    such a gradient raises ``ParameterUsageError``).
+    """
+
+    @forward_with_model_signature
+    def forward(self, *args: Any, **kwargs: Any):
+        """The fast-clipping forward; with the hooks disabled, the plain model's forward."""
+        if self.hooks_enabled or not (self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        # Every patched forward (gated layers, attention, the torch.func fallback) runs the layer's own
+        # forward while this flag is set, so the parameters are used as in the plain model. (Switching the
+        # wrapper's training flag instead leaves the layers in training mode: the gates then still detach the
+        # parameters, and the backward gives no plain gradient.)
+        self._flags.inside_fallback = True
+        try:
+            return self._module(*args, **kwargs)
+        finally:
+            self._flags.inside_fallback = False
+
+    def _reject_gradient(self, name: str, grad: torch.Tensor | None) -> None:
+        if not self.hooks_enabled:
+            return  # the plain gradient of a forward run with the hooks disabled
+        super()._reject_gradient(name, grad)
+
+    # A backward pass run with the hooks disabled through a forward that ran with them enabled (Opacus's
+    # second pass, ``(coef * losses).sum().backward()`` after ``disable_hooks()``) captures nothing: the
+    # clipping was done in the first pass, and the gated parameters receive no gradient from this one.
+    def _on_output_grad(self, use: Any, grads: torch.Tensor) -> None:
+        if self.hooks_enabled:
+            super()._on_output_grad(use, grads)
+
+    def _on_fallback_grad(self, use: Any, param: nn.Parameter, grads: torch.Tensor) -> None:
+        if self.hooks_enabled:
+            super()._on_fallback_grad(use, param, grads)
+
+
+class _GradSampleListPerPass:
+    """Opacus's ``p.grad_sample`` format for a ``GradSampleModule`` used on its own (connected to no
+    optimizer): after one backward pass a tensor ``(batch, *p.shape)``; after passes through several
+    forwards without ``zero_grad()``, a list with one such tensor per forward, in order (a second backward
+    pass through one forward is refused by the wrapper, as without this format).
+
+    Guarantee: each list entry holds exactly the per-sample gradients of one forward's examples; rows of
+    different forwards are never added (the engine alone would add them row by row when the batch sizes
+    match). Nothing here is released: a wrapper connected to a ``DPOptimizer`` (``make_private``, or one
+    built here) keeps the engine's behaviour, each pass clipped on its own at the next batch; a training
+    forward of a connected wrapper whose ``grad_sample`` still holds such a list raises ``RuntimeError``
+    (call ``zero_grad()`` first) before the model runs.
+    """
+
+    def _standalone_pass(self) -> bool:
+        return self.bound_optimizer is None and self.training and torch.is_grad_enabled() and self.hooks_enabled
+
+    @forward_with_model_signature
+    def forward(self, *args: Any, **kwargs: Any):
+        """The wrapper's forward; used on its own, it first sets the earlier forwards' per-sample gradients
+        aside, so that this forward's backward passes fill ``grad_sample`` afresh (see the class docstring)."""
+        trainable = [p for p in self._module.parameters() if p.requires_grad]
+        if not self._standalone_pass():
+            if self.bound_optimizer is not None and any(isinstance(getattr(p, "grad_sample", None), list) for p in trainable):
+                raise RuntimeError(
+                    "grad_sample holds the per-sample gradients of several backward passes run before this wrapper "
+                    "was connected to an optimizer; call zero_grad() before training with it"
+                )
+            return super().forward(*args, **kwargs)
+        earlier = {}
+        for param in trainable:
+            held = getattr(param, "grad_sample", None)
+            if held is not None:
+                earlier[param] = list(held) if isinstance(held, list) else [held]
+                param.grad_sample = None
+        self._earlier_passes = earlier
+        output = super().forward(*args, **kwargs)
+        if earlier:
+            for leaf in torch.utils._pytree.tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(self._on_output_backward)
+        return output
+
+    def _on_output_backward(self, grad: torch.Tensor) -> None:
+        # At the start of a backward pass through the newest forward: its own tensor (if any) back in grad_sample,
+        # where the engine's hooks expect a tensor, and the lists assembled again at the pass's end.
+        earlier = self.__dict__.get("_earlier_passes", {})
+        for param, passes in earlier.items():
+            held = getattr(param, "grad_sample", None)
+            if isinstance(held, list):
+                param.grad_sample = held[-1] if len(held) > len(passes) else None
+        if earlier and not self.__dict__.get("_lists_queued", False):
+            self._lists_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._assemble_lists)
+
+    def _assemble_lists(self) -> None:
+        self._lists_queued = False
+        for param, passes in self.__dict__.get("_earlier_passes", {}).items():
+            held = getattr(param, "grad_sample", None)
+            if isinstance(held, list):
+                continue
+            param.grad_sample = passes + ([] if held is None else [held])
+
+    def clear_grad_sample(self) -> None:
+        """Drop every parameter's per-sample gradients, those of earlier forwards included."""
+        self._earlier_passes = {}
+        super().clear_grad_sample()
+
+
+class GradSampleModule(_GradSampleListPerPass, _OpacusStateDict, _HooksSwitch, _GradSampleModule):
     """This engine's ``GradSampleModule`` with Opacus's constructor and state-dict keys.
 
     ``force_functorch=True`` is accepted and changes nothing: layers without a registered sampler
@@ -192,7 +310,7 @@ class _StandaloneClipper(PerSampleGradientClipper):
             param.grad = total.clone() if param.grad is None else param.grad + total
 
 
-class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule):
+class GradSampleModuleFastGradientClipping(_OpacusStateDict, _FastClippingHooksSwitch, GhostClippingModule):
     """This engine's fast-clipping wrapper (``grad_sample_mode="ghost"``) with Opacus's keys.
 
     Clipping happens inside the ordinary backward pass, with the bound of the clipper that
@@ -224,6 +342,27 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, GhostClippingModule
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
         self.max_grad_norm = max_grad_norm
         self.use_ghost_clipping = use_ghost_clipping
+        for param in self._module.parameters():
+            if param.requires_grad:
+                param.grad_sample = None  # Opacus's attribute; fast clipping never forms per-sample gradients
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Each example's gradient norm in the last backward pass (unclipped; shape ``(batch,)`` for flat
+        clipping, ``(batch, num_groups)`` per layer): Opacus's method, here ``last_per_sample_norms``.
+        ``RuntimeError`` before any backward pass."""
+        norms = self.last_per_sample_norms
+        if norms is None:
+            raise RuntimeError("no per-sample norms yet: run a training forward and its backward first")
+        return norms[:, 0] if norms.dim() == 2 and norms.shape[1] == 1 else norms
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """The factor each example's gradient was multiplied by in the last backward pass (the clipper's rule,
+        at most 1), same shape as ``get_norm_sample()``. Opacus's method. Here the clipping already happened
+        inside that backward pass: a second backward weighted by these factors (Opacus's two-pass pattern)
+        is not needed (``DPLossFastGradientClipping`` runs one)."""
+        norms = self.get_norm_sample()
+        factors = self.clipper.clip_factors_for_norms(norms)
+        return factors[:, 0] if norms.dim() == 1 else factors
 
     @forward_with_model_signature
     def forward(self, *args: Any, **kwargs: Any):

@@ -203,7 +203,15 @@ class DPOptimizer(_DPOptimizer):
         modules = list(self.contract.modules)
         keep = bool(modules) and all(isinstance(module, _OpacusStateDict) for module in modules)
         kept = {param: param.grad_sample for param in self.params if getattr(param, "grad_sample", None) is not None}
-        result = super().step(closure)
+        # The step hooks run inside super().step(), after the release: they read accumulated_iterations as the
+        # release recorded it, not as the passes waiting before it.
+        self._stepping = True
+        self._passes_before_step = self._waiting_passes()
+        try:
+            result = super().step(closure)
+        finally:
+            self._stepping = False
+            self._clipped_passes = []
         if keep:
             for param, grad_sample in kept.items():
                 if getattr(param, "grad_sample", None) is None:
@@ -215,22 +223,63 @@ class DPOptimizer(_DPOptimizer):
         # What the engine records for the step being released, kept for accumulated_iterations (step hooks
         # run after the release, when the step's contributions are already consumed).
         recorded = super()._accounting_kwargs(*args, **kwargs)
-        self._last_recorded = recorded
+        # Loader batches in this release, for Opacus's accountant hook: the draws the engine records, or the
+        # backward passes over distinct batches if more (k fixed-size batches are recorded as one draw at k
+        # times the rate, which a hook given the loader's rate would under-count as one batch).
+        self._released_batches = max(int(recorded.get("batches_per_step", 1)), self.__dict__.get("_passes_before_step", 1))
         return recorded
+
+    def accumulate_pass(self, ticket: Any) -> None:
+        """The engine's ``accumulate_pass`` (one completed backward pass clipped into the open step); the
+        pass's per-sample gradients are kept for reading (``grad_samples``, ``accumulated_iterations``, as
+        Opacus keeps its list of them) until the next ``step()`` or ``zero_grad()``. They were clipped
+        once here and are never handed to the clipper again."""
+        waiting = [getattr(param, "grad_sample", None) for param in self.params]
+        super().accumulate_pass(ticket)
+        if any(grads is not None for grads in waiting) and all(getattr(p, "grad_sample", None) is None for p in self.params):
+            self.__dict__.setdefault("_clipped_passes", []).append(waiting)
+
+    def _waiting_passes(self) -> int:
+        """Backward passes (over distinct batches) accumulated into the open step so far: those already
+        clipped, and the last one while its per-sample gradients wait in ``grad_sample``."""
+        unflushed = any(module.has_unflushed_passes for module in self.contract.modules)
+        return len(self.__dict__.get("_clipped_passes", ())) + int(unflushed)
 
     @property
     def accumulated_iterations(self) -> int:
-        """Loader batches accumulated into the last released step (read by Opacus's accountant hook):
-        the ``batches_per_step`` the engine recorded for it, 1 for a plain step."""
-        return int(self.__dict__.get("_last_recorded", {}).get("batches_per_step", 1))
+        """Opacus's count of accumulated loader batches. Between backward passes and ``step()``: the
+        backward passes over distinct batches accumulated into the open step (Opacus's ``len(p.grad_sample)``;
+        several passes over one batch count once, their per-sample gradients being summed; fast clipping
+        keeps no per-sample gradients and is not counted here). Otherwise, and inside ``step()`` (read by
+        Opacus's accountant hook), the loader batches of the last release: the draws the engine recorded
+        (``batches_per_step``), or its backward passes over distinct batches if more (``poisson_sampling=False``:
+        k fixed-size batches are recorded by the engine as one draw at k times the rate; the hook, given one
+        batch's rate, then records k draws of that rate in one release, where Opacus's hook records one draw at
+        k times the rate; without this it would record a single batch's rate); 1 for a plain step."""
+        if not self.__dict__.get("_stepping", False):
+            waiting = self._waiting_passes()
+            if waiting:
+                return waiting
+        return int(self.__dict__.get("_released_batches", 1))
 
     @property
     def grad_samples(self) -> list[torch.Tensor | None]:
-        """Each parameter's ``grad_sample`` (None where there is none)."""
-        return [getattr(param, "grad_sample", None) for param in self.params]
+        """Each parameter's per-sample gradients of the open step, the passes concatenated along the batch
+        dimension in order (Opacus's flat ``grad_samples``; ``p.grad_sample`` itself holds the last pass);
+        None where there are none."""
+        passes = self.__dict__.get("_clipped_passes", [])
+        flat = []
+        for index, param in enumerate(self.params):
+            parts = [waiting[index] for waiting in passes if waiting[index] is not None]
+            if getattr(param, "grad_sample", None) is not None:
+                parts.append(param.grad_sample)
+            flat.append(None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        return flat
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The engine's ``zero_grad``; each parameter's ``summed_grad`` (Opacus's) is dropped too."""
+        """The engine's ``zero_grad``; each parameter's ``summed_grad`` (Opacus's) and the per-sample gradients
+        kept for ``grad_samples`` are dropped too."""
+        self._clipped_passes = []
         super().zero_grad(set_to_none=set_to_none)
         for param in self.params:
             if getattr(param, "summed_grad", None) is not None:

@@ -1,0 +1,124 @@
+"""``make_private`` for a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): what the
+engine can run on shards, and the private optimizer it builds there.
+
+The plan is the ordinary one (``engine.plan.make_plan``): ``training.distributed.unwrap`` gives a
+``fully_shard`` model a job in the default process group, so the private loader is the DDP loader
+(each rank Poisson-samples its shard of the dataset at the global rate), the noise multiplier is given
+or calibrated as for one process, and the ranks compare their settings (``distributed.agree``). Only
+the build differs: instead of hooking the model and wrapping the optimizer in a ``DPOptimizer``, the
+engine builds ``training.fsdp_private.FSDPPrivateOptimizer`` (ghost clipping in two FSDP backward passes,
+each rank noising its own shard from its own stream) and returns the model itself, hooked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from accountants import Accountant
+from accountants.events import EventSpec
+from privacy_engine.engine.budget import PrivacyBudget
+from privacy_engine.engine.ledger import ledger_for
+from privacy_engine.engine.options import PrivacyOptions
+from privacy_engine.engine.plan import Plan
+from privacy_engine.training import distributed
+from privacy_engine.training.fsdp import ShardNoise, fsdp_problem, is_fsdp2
+from privacy_engine.training.fsdp_private import FSDPPrivateOptimizer
+
+__all__ = ["fsdp_options", "is_fsdp2", "private_fsdp_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+#: The settings a sharded run accepts with other values than their defaults (every other one is refused).
+_ACCEPTED = frozenset({
+    "max_grad_norm", "noise_multiplier", "target_epsilon", "target_delta", "epochs", "max_epsilon",
+    "loss_reduction", "noise_seed", "noise_generator", "grad_sample_mode",
+})  # fmt: skip
+
+#: Why a setting is refused under FSDP, where a reason helps more than "not supported".
+_WHY = {
+    "noise_mechanism": "only DP-SGD's Gaussian noise is drawn per shard so far (BandMF/BLT keep a history per "
+                       "coordinate, not yet sharded)",
+    "num_bands": "BandMF is not available under FSDP yet",
+    "clipping": "per-layer clipping needs per-layer norms across the shards; use clipping='flat'",
+    "poisson_sampling": "the ranks must Poisson-sample disjoint shards of the dataset at the global rate",
+    "max_batch_size": "truncated sampling is not wired for FSDP",
+    "audit": "canaries are not added to sharded releases yet",
+    "privacy_unit": "user-level sampling is not wired for FSDP",
+    "grad_scaler": "fp16 loss scaling is not supported under FSDP; shard in float32",
+    "batch_first": "the model's outputs and every layer's must hold the batch in dimension 0",
+    "nan_safe": "a non-finite norm always gives factor 0 under FSDP (nan_safe=True)",
+}
+
+
+def fsdp_options(options: PrivacyOptions, model: nn.Module) -> PrivacyOptions:
+    """``options`` for ``model``, sharded with ``fully_shard``: ``grad_sample_mode="auto"`` becomes ``"ghost"`` (logged); every
+    setting the sharded build cannot honour is refused before anything changes.
+
+    ==========================================  ==============================================
+    setting                                     result
+    ==========================================  ==============================================
+    "hooks", "functorch", "ew", "no_op"         NotImplementedError: use grad_sample_mode="ghost"
+    "auto" / "ghost"                            "ghost"
+    any other setting not at its default        NotImplementedError naming it (BandMF, BLT,
+    except sigma, C, the target and budget,     per-layer or adaptive clipping, canaries,
+    epochs, loss_reduction, the noise seed      user-level DP, truncation, grad_scaler, ...)
+    ==========================================  ==============================================
+    """
+    if options.grad_sample_mode not in ("auto", "ghost"):
+        raise NotImplementedError(fsdp_problem(model, options.grad_sample_mode) or (
+            f"grad_sample_mode={options.grad_sample_mode!r} cannot run on a fully_shard model: use "
+            "grad_sample_mode='ghost'"))  # fmt: skip
+    for field in dataclasses.fields(PrivacyOptions):
+        name = field.name
+        if name in _ACCEPTED:
+            continue
+        value, default = getattr(options, name), field.default
+        if value is default or (type(value) is type(default) and value == default):
+            continue
+        why = _WHY.get(name, "not supported with a fully_shard model yet")
+        raise NotImplementedError(f"{name}={value!r} with a model sharded by fully_shard (FSDP2): {why}")
+    if not isinstance(options.max_grad_norm, (int, float)):
+        raise NotImplementedError("max_grad_norm must be one number with a fully_shard model (flat clipping)")
+    if options.grad_sample_mode == "auto":
+        logger.info("grad_sample_mode='auto' with a fully_shard model: ghost (the only mode on shards)")
+        options = dataclasses.replace(options, grad_sample_mode="ghost")
+    return options
+
+
+def _check_mesh(plan: Plan) -> None:
+    """The parameters' mesh must span the default group (the job's collectives and the loader's shards)."""
+    meshes = {p.device_mesh for p in plan.params if hasattr(p, "device_mesh")}
+    sizes = {int(mesh.size()) for mesh in meshes}
+    world = dist.get_world_size()
+    if sizes != {world}:
+        raise NotImplementedError(
+            f"the trainable parameters are sharded over meshes of sizes {sorted(sizes)}; the default process group "
+            f"has {world} ranks: shard over one mesh spanning all ranks (init_device_mesh(..., ({world},)))"
+        )
+
+
+def private_fsdp_optimizer(plan: Plan, optimizer: Optimizer, *, accountant: Accountant, secure_mode: bool,
+                           budget: PrivacyBudget | None, source: str) -> FSDPPrivateOptimizer:  # fmt: skip
+    """The private optimizer of a sharded ``plan`` (collective: the ranks compare their plans first, then
+    their step settings; a difference raises ``DistributedSettingsError`` on every rank before anything is
+    hooked). The noise: ``ShardNoise`` seeded from ``noise_seed`` (``noise_generator``: one draw from it; none:
+    one draw from torch's global generator; secure mode: the OS), each rank its own stream."""
+    _check_mesh(plan)
+    distributed.agree(plan, accountant=accountant, secure_mode=secure_mode)
+    options, noise_plan = plan.options, plan.noise_plan
+    seed = options.noise_seed
+    if options.noise_generator is not None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=options.noise_generator).item())
+    noise = ShardNoise(noise_multiplier=noise_plan.noise_multiplier, max_grad_norm=float(options.max_grad_norm),
+                       seed=seed, secure_mode=secure_mode, rank=plan.distributed.rank)  # fmt: skip
+    return FSDPPrivateOptimizer(
+        optimizer, model=plan.model, noise=noise, data_loader=plan.private_loader,
+        accountant=ledger_for(accountant, noise_plan), budget=budget, loss_reduction=options.loss_reduction,
+        source=source, privacy_event=EventSpec(),  # DP-SGD's event, as GaussianNoise states it
+    )  # fmt: skip

@@ -1,0 +1,274 @@
+"""A noise stream addressed by (key, step, chunk) that several threads can draw at once (``"counter-v1"``).
+
+Why. torch's CPU ``normal_`` draws from one Mersenne Twister (MT19937) one value after another: the
+stream cannot be split, so a step's noise takes one core however many there are. This stream cuts each
+device's flat noise vector into chunks of ``CHUNK_NUMEL`` entries (fixed: the numbers do not depend on the
+thread count) and gives every chunk of every step its own generator, so the chunks are drawn in parallel.
+
+How a chunk's generator is made. A Philox4x64-10 counter-based generator (numpy's ``Philox``) keyed by
+the run's 128-bit key produces, at counter ``(block, step, 0, 0)``, the 624 32-bit words of chunk
+``c``'s MT19937 state (blocks ``78 c`` to ``78 c + 77``); torch's ``normal_`` then draws the chunk from that
+state. Every (key, step, chunk) thus has its own full 19937-bit MT state, a different Philox counter
+block for each (no two chunks, steps or keys share a Philox output), and the chunk is drawn by torch's
+own Gaussian sampler (same speed per value as the serial stream). ``manual_seed`` is not used: on CPU
+it keeps 32 bits, so per-chunk seeds would collide after about 2**16 chunks.
+
+The key comes from the run's seed (``stream_key``: numpy's ``SeedSequence`` over the seed, the
+device's index and the number of layout restarts) or, in secure mode, from ``os.urandom``
+(``secure_stream_keys``: four 128-bit keys per device, never saved; each value is the sum of one draw
+per key at ``std / 2``, as the serial stream's secure mode sums four generators).
+
+Resuming needs no generator state: the key and the step index determine every value. On devices other
+than the CPU the step's noise is one chunk drawn by the device's generator seeded with 64 bits of the
+Philox stream (CUDA's generator is a parallel Philox already).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from privacy_engine.noise.secure_random import _MT_WORDS, _MT_WORDS_OFFSET, _check_cpu_layout
+
+__all__ = [
+    "CHUNK_NUMEL",
+    "NOISE_STREAMS",
+    "STREAM_COUNTER",
+    "STREAM_MT",
+    "StreamKey",
+    "chunk_bounds",
+    "draw_counter_noise",
+    "drawing_threads",
+    "secure_stream_keys",
+    "stream_key",
+]
+
+STREAM_MT = "mt19937"  # one serial torch generator per device (every checkpoint written before the counter stream)
+STREAM_COUNTER = "counter-v1"  # this module
+NOISE_STREAMS = (STREAM_MT, STREAM_COUNTER)
+
+# Entries per chunk: part of the stream's definition (never depends on threads). 2**17 (512 KiB of float32):
+# the per-chunk cost (its MT state, ~10 us) stays near 2% of its draw (~0.45 ms), and a 0.7M-parameter model
+# still has 6 chunks to share between threads.
+CHUNK_NUMEL = 1 << 17
+_BLOCKS_PER_CHUNK = _MT_WORDS // 8  # Philox4x64 blocks (4 x 64 bits) per 624 32-bit MT words: 78
+_KEY_TAG = 0x636F756E74  # separates this stream's keys from every other SeedSequence use of the seed
+
+
+class StreamKey:
+    """The 128-bit Philox key of one device's counter stream.
+
+    It stands where the serial stream keeps a ``torch.Generator`` (``group.generators``) and answers
+    ``get_state`` / ``set_state`` alike (16 bytes, uint8), so rollback and ``state_dict`` treat both
+    streams the same; unlike a generator's, its state never changes when drawing (the step index is the
+    counter)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: np.ndarray) -> None:
+        self.key = np.ascontiguousarray(key, dtype=np.uint64).copy()
+        if self.key.shape != (2,):
+            raise ValueError(f"a counter-stream key is 2 uint64 words, got shape {self.key.shape}")
+
+    def get_state(self) -> torch.Tensor:
+        """The key as 16 uint8 values (a copy)."""
+        return torch.from_numpy(self.key.view(np.uint8).copy())
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Set the key from 16 uint8 values (as ``get_state`` returns them)."""
+        if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.shape == (16,)):
+            raise ValueError("a counter-stream key state is a uint8 tensor of 16 values")
+        self.key = state.numpy().copy().view(np.uint64)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StreamKey) and bool(np.array_equal(self.key, other.key))
+
+    def __hash__(self) -> int:
+        return hash(self.key.tobytes())
+
+    def __repr__(self) -> str:
+        return "StreamKey(<128 bits>)"
+
+
+def stream_key(seed: int, device_index: int, layout_restarts: int = 0) -> StreamKey:
+    """The key of device ``device_index``'s counter stream for a run seeded with ``seed`` (a layout
+    restart gets a new key, so no value is drawn twice)."""
+    sequence = np.random.SeedSequence(entropy=int(seed), spawn_key=(_KEY_TAG, int(device_index), int(layout_restarts)))
+    return StreamKey(sequence.generate_state(2, dtype=np.uint64))
+
+
+def secure_stream_keys(count: int) -> list[StreamKey]:
+    """``count`` keys straight from the OS's cryptographic generator (secure mode; never saved)."""
+    return [StreamKey(np.frombuffer(os.urandom(16), dtype=np.uint64)) for _ in range(count)]
+
+
+def chunk_bounds(numel: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each chunk of a flat vector of ``numel`` entries: ``CHUNK_NUMEL`` each, the last
+    one shorter."""
+    return [(start, min(start + CHUNK_NUMEL, numel)) for start in range(0, numel, CHUNK_NUMEL)]
+
+
+def _philox_words(key: StreamKey, step: int, first_block: int, blocks: int) -> np.ndarray:
+    """``4 * blocks`` uint64 words of Philox4x64-10 under ``key`` at counters ``(first_block + 1 + i, step, 0, 0)``."""
+    # numpy's Philox adds one to the counter before each block, so block ``b`` comes from counter ``b + 1``:
+    # the same shift for every call, so the words stay exactly addressable by (step, block).
+    bit_generator = np.random.Philox(key=key.key, counter=np.array([first_block, step, 0, 0], dtype=np.uint64))
+    return bit_generator.random_raw(4 * blocks)
+
+
+@functools.cache
+def _cpu_state_template() -> np.ndarray:
+    """A fresh CPU generator's state (no cached normal value), whose MT words are overwritten per chunk."""
+    _check_cpu_layout()
+    state = torch.Generator().get_state().numpy().copy()
+    state[8:12] = np.array([1], dtype=np.int32).view(np.uint8)  # left = 1: the next draw twists all words
+    state[12:16] = np.array([1], dtype=np.int32).view(np.uint8)  # seeded
+    state[16:24] = 0  # next = 0
+    return state
+
+
+def _chunk_states(words: np.ndarray, chunks: int) -> np.ndarray:
+    """One CPU generator state per chunk (rows, uint8): a fresh state whose 624 MT19937 words are the chunk's
+    624 32-bit Philox values (``words``: 312 uint64 per chunk, low half first)."""
+    template = _cpu_state_template()
+    states = np.tile(template, (chunks, 1))
+    mt_words = np.empty((chunks, _MT_WORDS), dtype=np.uint64)
+    per_chunk = words.reshape(chunks, _MT_WORDS // 2)
+    mt_words[:, 0::2] = per_chunk & np.uint64(0xFFFFFFFF)
+    mt_words[:, 1::2] = per_chunk >> np.uint64(32)
+    states[:, _MT_WORDS_OFFSET : _MT_WORDS_OFFSET + 8 * _MT_WORDS] = mt_words.view(np.uint8)
+    states[:, 0:8] = 0  # initial_seed(): no seed reproduces this stream
+    return states
+
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_key: tuple[int, int] | None = None  # (pid, workers)
+
+
+def drawing_threads() -> int:
+    """Threads a counter-stream draw uses: torch's intra-op thread count (``torch.set_num_threads``)."""
+    return max(1, torch.get_num_threads())
+
+
+def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool, _pool_key
+    with _pool_lock:
+        # A forked child inherits the pool object, not its threads: make a new one there.
+        if _pool is None or _pool_key != (os.getpid(), workers):
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="privacy-engine-chunks"
+            )
+            _pool_key = (os.getpid(), workers)
+        return _pool
+
+
+def draw_counter_noise(
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    keys: Sequence[StreamKey],
+    step: int,
+    std: float,
+    *,
+    after_chunk: Callable[[int, int], None] | None = None,
+    threads: int | None = None,
+) -> None:
+    """``out`` (flat, contiguous) <- step ``step``'s iid ``N(0, std^2)`` values of the stream(s) ``keys``.
+
+    Guarantee: the values depend only on (keys, step, ``out.numel()``, dtype, std), never on the number of
+    threads or the order the chunks are drawn in; chunk ``c`` holds entries ``[c * CHUNK_NUMEL, ...)``.
+    One key: one draw per entry. Several keys (secure mode): the sum of one draw per key at
+    ``std / sqrt(len(keys))`` (exactly ``N(0, std^2)`` in distribution); ``scratch`` (same shape as ``out``)
+    holds the further draws. ``after_chunk(start, end)``, if given, runs right after a chunk is drawn, on the
+    thread that drew it (to use the chunk while it is in cache); the calls for different chunks may run at
+    the same time.
+
+    ============================  ==================================================
+    case                          result
+    ============================  ==================================================
+    ``out`` empty                 nothing drawn, ``after_chunk`` not called
+    ``step`` < 0                  ValueError
+    ``out`` not flat/contiguous   ValueError
+    non-CPU ``out``               one chunk, the device's generator seeded with 64
+                                  Philox bits of (key, step)
+    ============================  ==================================================
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("out must be a flat contiguous tensor (the device's noise vector)")
+    if not keys:
+        raise ValueError("keys is empty: a counter stream needs at least one key")
+    numel = out.numel()
+    if numel == 0:
+        return
+    part_std = std / math.sqrt(len(keys)) if len(keys) > 1 else std
+    if out.device.type != "cpu":
+        _draw_device(out, scratch, keys, step, part_std)
+        if after_chunk is not None:
+            after_chunk(0, numel)
+        return
+    bounds = chunk_bounds(numel)
+    # Every chunk's MT state for this step, one Philox call per key (2.5 KB of words per chunk).
+    states = [_chunk_states(_philox_words(key, step, 0, _BLOCKS_PER_CHUNK * len(bounds)), len(bounds)) for key in keys]
+
+    def draw_chunk(index: int, generator: torch.Generator) -> None:
+        start, end = bounds[index]
+        piece = out[start:end]
+        for number, key_states in enumerate(states):
+            # A separate tensor per row: torch's set_state reads from the start of a tensor's storage and
+            # ignores a view's offset (it crashed on a row of a 2-D tensor, torch 2.x), while
+            # torch.from_numpy of a numpy row starts its storage at the row.
+            generator.set_state(torch.from_numpy(key_states[index]))
+            if number == 0:
+                piece.normal_(0.0, part_std, generator=generator)
+            else:
+                extra = scratch[start:end]
+                extra.normal_(0.0, part_std, generator=generator)
+                piece.add_(extra)
+        if after_chunk is not None:
+            after_chunk(start, end)
+
+    next_chunk = itertools.count()  # shared by the workers: next() is atomic under the GIL
+
+    def work() -> None:
+        generator = torch.Generator()
+        with torch.no_grad():  # grad mode is per thread
+            while (index := next(next_chunk)) < len(bounds):
+                draw_chunk(index, generator)
+
+    workers = min(threads if threads is not None else drawing_threads(), len(bounds))
+    if workers <= 1:
+        work()
+        return
+    # torch's kernels release the GIL, so the chunks are drawn on ``workers`` cores at once: this thread and
+    # ``workers - 1`` pool threads take chunks in turn until none is left.
+    helpers = [_executor(workers - 1).submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        errors = [future.exception() for future in helpers]  # waits for every helper
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def _draw_device(
+    out: torch.Tensor, scratch: torch.Tensor | None, keys: Sequence[StreamKey], step: int, std: float
+) -> None:
+    with torch.no_grad():
+        for number, key in enumerate(keys):
+            generator = torch.Generator(device=out.device)
+            generator.manual_seed(int(_philox_words(key, step, 0, 1)[0]))
+            target = out if number == 0 else scratch
+            target.normal_(0.0, std, generator=generator)
+            if number > 0:
+                out.add_(scratch)

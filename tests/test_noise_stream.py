@@ -1,0 +1,298 @@
+"""The counter-keyed noise stream ("counter-v1", privacy_engine.noise.counter_stream): its numbers, its
+statistics, its independence of the thread count, and how it is versioned against the serial stream.
+
+Statistical checks use bounds with a stated false-alarm rate per check (each is a fixed-seed draw, so a
+check that passes once passes always; the rates say how unlikely a correct stream is to fail a new seed).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from privacy_engine.noise import BandMFNoise, GaussianNoise
+from privacy_engine.noise import counter_stream as cs
+from privacy_engine.noise.secure_random import _MT_WORDS, _MT_WORDS_OFFSET
+
+COUNTER = cs.STREAM_COUNTER
+SHAPES = [(3, 5), (7,), (2, 2, 2)]
+# 5 standard errors: a two-sided false alarm of 5.7e-7 per check for a correct Gaussian stream.
+Z = 5.0
+
+
+def _steps(mechanism, count, shapes=SHAPES, **kwargs):
+    out = []
+    for _ in range(count):
+        tensors = [torch.zeros(shape) for shape in shapes]
+        mechanism.add_noise_(tensors, 1.0, 1.0, **kwargs)
+        out.append(torch.cat([t.reshape(-1) for t in tensors]))
+    return out
+
+
+class _Threads:
+    """torch.set_num_threads inside a test, restored after."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.count)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+def _reference_chunk(key: cs.StreamKey, step: int, chunk: int, numel: int, std: float) -> torch.Tensor:
+    """The specification, written out independently: chunk c of step t is torch's normal_ from an MT19937 state
+    whose 624 words are Philox4x64-10's outputs under the key at counter blocks 78c+1 .. 78c+78 of (., t, 0, 0),
+    each 64-bit output giving its low then its high 32 bits."""
+    philox = np.random.Philox(key=key.key, counter=np.array([78 * chunk, step, 0, 0], dtype=np.uint64))
+    words64 = philox.random_raw(312)
+    words32 = np.stack([words64 & np.uint64(0xFFFFFFFF), words64 >> np.uint64(32)], axis=1).reshape(-1)
+    state = torch.Generator().get_state().numpy().copy()
+    state[_MT_WORDS_OFFSET : _MT_WORDS_OFFSET + 8 * _MT_WORDS] = words32.astype(np.uint64).view(np.uint8)
+    state[8:12] = np.array([1], dtype=np.int32).view(np.uint8)  # left = 1: twist before the first output
+    state[16:24] = 0
+    generator = torch.Generator()
+    generator.set_state(torch.from_numpy(state))
+    return torch.empty(numel).normal_(0.0, std, generator=generator)
+
+
+def test_each_chunk_is_the_specified_philox_keyed_draw():
+    key = cs.stream_key(11, 0)
+    numel = 2 * cs.CHUNK_NUMEL + 1000
+    out = torch.empty(numel)
+    cs.draw_counter_noise(out, None, [key], 7, 1.5)
+    for chunk, (start, end) in enumerate(cs.chunk_bounds(numel)):
+        assert torch.equal(out[start:end], _reference_chunk(key, 7, chunk, end - start, 1.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_same_numbers_at_one_and_two_threads(dtype):
+    key = cs.stream_key(5, 0)
+    numel = 5 * cs.CHUNK_NUMEL + 17
+    with _Threads(1):
+        one = torch.empty(numel, dtype=dtype)
+        cs.draw_counter_noise(one, None, [key], 3, 2.0)
+        mechanism_one = _steps(GaussianNoise(seed=4, noise_stream=COUNTER, prefetch=False), 2, shapes=[(numel,)])
+    with _Threads(2):
+        two = torch.empty(numel, dtype=dtype)
+        cs.draw_counter_noise(two, None, [key], 3, 2.0)
+        mechanism_two = _steps(GaussianNoise(seed=4, noise_stream=COUNTER, prefetch=False), 2, shapes=[(numel,)])
+    assert torch.equal(one, two)
+    assert all(torch.equal(a, b) for a, b in zip(mechanism_one, mechanism_two))
+    three = torch.empty(numel, dtype=dtype)
+    cs.draw_counter_noise(three, None, [key], 3, 2.0, threads=3)  # any pool size, any finishing order
+    assert torch.equal(one, three)
+
+
+def test_mean_std_and_normality():
+    std = 2.5
+    out = torch.empty(2 * cs.CHUNK_NUMEL, dtype=torch.float64)
+    cs.draw_counter_noise(out, None, [cs.stream_key(2024, 0)], 0, std)
+    n = out.numel()
+    assert abs(out.mean().item()) < Z * std / math.sqrt(n)
+    # The sample variance's standard error is sigma^2 * sqrt(2 / (n - 1)).
+    assert abs(out.var().item() / std**2 - 1.0) < Z * math.sqrt(2.0 / (n - 1))
+    # Kolmogorov-Smirnov against N(0, std^2): false alarm 1e-6.
+    assert stats.kstest(out.numpy() / std, "norm").pvalue > 1e-6
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return float((a @ b) / (a.norm() * b.norm()))
+
+
+def test_independent_across_chunks_steps_seeds_and_neighbours():
+    # For independent samples of m pairs, the correlation is ~N(0, 1/m): |r| < 5 / sqrt(m) fails with
+    # probability 5.7e-7 per pair (7 pairs here: 4e-6 in all).
+    numel = 2 * cs.CHUNK_NUMEL
+    m = cs.CHUNK_NUMEL
+    draws = {}
+    for seed in (1, 2):
+        for step in (0, 1, 2**40):
+            out = torch.empty(numel)
+            cs.draw_counter_noise(out, None, [cs.stream_key(seed, 0)], step, 1.0)
+            draws[seed, step] = out
+    first, second = slice(0, m), slice(m, 2 * m)
+    pairs = [
+        (draws[1, 0][first], draws[1, 0][second]),  # two chunks of one step
+        (draws[1, 0][first], draws[1, 1][first]),  # one chunk, consecutive steps
+        (draws[1, 1][second], draws[1, 2**40][second]),  # far-apart steps
+        (draws[1, 0][first], draws[2, 0][first]),  # two seeds
+        (draws[1, 0][:-1], draws[1, 0][1:]),  # neighbouring entries (lag 1)
+        (draws[1, 0][: m - 16], draws[1, 0][16:m]),  # entries 16 apart (the sampler transforms 16 at a time)
+    ]
+    key_a, key_b = cs.stream_key(1, 0), cs.stream_key(1, 1)
+    other_device = torch.empty(m)
+    cs.draw_counter_noise(other_device, None, [key_b], 0, 1.0)
+    pairs.append((draws[1, 0][first], other_device))  # two devices of one run
+    assert key_a != key_b
+    for a, b in pairs:
+        assert abs(_corr(a, b)) < Z / math.sqrt(a.numel())
+    assert len({draws[key][0].item() for key in draws}) == len(draws)
+
+
+def test_resume_mid_run_is_bit_identical_and_records_the_stream():
+    reference = _steps(GaussianNoise(seed=9, noise_stream=COUNTER), 5)
+    mechanism = GaussianNoise(seed=9, noise_stream=COUNTER)
+    _steps(mechanism, 2)
+    state = copy.deepcopy(mechanism.state_dict())
+    assert state["noise_stream"] == COUNTER
+    resumed = GaussianNoise(seed=123, noise_stream=COUNTER)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(_steps(resumed, 3), reference[2:]))
+
+
+def test_an_old_stream_checkpoint_resumes_on_the_old_stream():
+    serial = _steps(GaussianNoise(seed=9), 4)
+    mechanism = GaussianNoise(seed=9)
+    _steps(mechanism, 2)
+    old_state = copy.deepcopy(mechanism.state_dict())
+    del old_state["noise_stream"]  # as written before the counter stream existed
+    resumed = GaussianNoise(seed=9, noise_stream=COUNTER)  # a new run's default would not matter
+    resumed.load_state_dict(old_state)
+    assert resumed.noise_stream == cs.STREAM_MT
+    assert all(torch.equal(a, b) for a, b in zip(_steps(resumed, 2), serial[2:]))
+    # and the other way: a counter-stream state loaded into a mechanism built (and stepped) on the serial stream
+    counter = _steps(GaussianNoise(seed=9, noise_stream=COUNTER), 3)
+    source = GaussianNoise(seed=9, noise_stream=COUNTER)
+    _steps(source, 2)
+    target = GaussianNoise(seed=9)
+    _steps(target, 1)
+    target.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert torch.equal(_steps(target, 1)[0], counter[2])
+
+
+def test_the_streams_differ_and_a_layout_restart_gets_a_new_key():
+    counter = GaussianNoise(seed=9, noise_stream=COUNTER)
+    first = _steps(counter, 1)[0]
+    assert not torch.equal(first, _steps(GaussianNoise(seed=9), 1)[0])
+    counter.restart_layout()
+    again = GaussianNoise(seed=9, noise_stream=COUNTER)
+    _steps(again, 1)
+    assert not torch.equal(_steps(counter, 1)[0], _steps(again, 1)[0])
+
+
+def test_a_failed_step_redraws_the_same_noise():
+    reference = _steps(GaussianNoise(seed=3, noise_stream=COUNTER), 3)
+    mechanism = GaussianNoise(seed=3, noise_stream=COUNTER)
+    _steps(mechanism, 2)
+
+    def fails():
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError):
+        mechanism.add_noise_([torch.zeros(s) for s in SHAPES], 1.0, 1.0, on_commit=fails)
+    assert mechanism.step == 2
+    assert torch.equal(_steps(mechanism, 1)[0], reference[2])
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "bandmf"])
+def test_prefetch_is_bit_identical(kind):
+    def make(prefetch):
+        if kind == "gaussian":
+            return GaussianNoise(seed=8, prefetch=prefetch, noise_stream=COUNTER)
+        return BandMFNoise([1.0, 0.5, -0.25], seed=8, prefetch=prefetch, noise_stream=COUNTER)
+
+    scales = [1.0, 1.0, 2.0, 2.0, 2.0] if kind == "gaussian" else [1.5] * 5  # BandMF keeps one scale
+
+    def run(mechanism):
+        rows = []
+        for scale in scales:
+            tensors = [torch.zeros(shape) for shape in SHAPES]
+            mechanism.add_noise_(tensors, 1.0, scale)
+            rows.append(torch.cat([t.reshape(-1) for t in tensors]))
+        return rows
+
+    expected = run(make(False))
+    prefetched = make(True)
+    assert all(torch.equal(a, b) for a, b in zip(run(prefetched), expected))
+    assert prefetched._draws_ahead
+
+
+def test_bandmf_with_one_band_adds_the_gaussian_noise():
+    gaussian = _steps(GaussianNoise(seed=21, noise_stream=COUNTER), 3)
+    bandmf = _steps(BandMFNoise([1.0], seed=21, noise_stream=COUNTER), 3)
+    assert all(torch.equal(a, b) for a, b in zip(gaussian, bandmf))
+
+
+def test_secure_mode_keys_come_from_the_os_and_are_never_saved():
+    first = GaussianNoise(secure_mode=True, noise_stream=COUNTER)
+    second = GaussianNoise(secure_mode=True, noise_stream=COUNTER)
+    shapes = [(cs.CHUNK_NUMEL + 5,)]
+    a, b = _steps(first, 1, shapes)[0], _steps(second, 1, shapes)[0]
+    assert not torch.equal(a, b)
+    assert len(first._groups[0].generators) == 4  # four OS keys summed, as the serial stream sums four generators
+    state = first.state_dict()
+    assert state["seed"] is None and all(d["generator_states"] is None for d in state["devices"])
+    n = a.numel()
+    assert abs(a.var().item() - 1.0) < Z * math.sqrt(2.0 / (n - 1))  # the sum has the requested std
+
+
+@pytest.mark.parametrize("stream", [cs.STREAM_MT, COUNTER])
+def test_divide_by_gives_the_bits_of_adding_then_dividing(stream):
+    shapes = [(cs.CHUNK_NUMEL + 3,), (5, 7)]
+    fused = _steps(GaussianNoise(seed=2, noise_stream=stream), 2, shapes, divide_by=48.0)
+    plain = [noise / 48.0 for noise in _steps(GaussianNoise(seed=2, noise_stream=stream), 2, shapes)]
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    zero = GaussianNoise(seed=2, noise_stream=stream)
+    tensors = [torch.full((3,), 6.0)]
+    zero.add_noise_(tensors, 0.0, 1.0, divide_by=3.0)  # no noise: still divided
+    assert torch.equal(tensors[0], torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), True, "2"])
+def test_a_bad_divisor_raises_before_anything_changes(bad):
+    mechanism = GaussianNoise(seed=1, noise_stream=COUNTER)
+    tensors = [torch.ones(4)]
+    with pytest.raises(ValueError, match="divide_by"):
+        mechanism.add_noise_(tensors, 1.0, 1.0, divide_by=bad)
+    assert mechanism.step == 0 and torch.equal(tensors[0], torch.ones(4))
+
+
+def test_bad_stream_names_are_refused():
+    with pytest.raises(ValueError, match="noise_stream"):
+        GaussianNoise(seed=1, noise_stream="philox")
+    mechanism = GaussianNoise(seed=1)
+    _steps(mechanism, 1)
+    state = copy.deepcopy(mechanism.state_dict())
+    state["noise_stream"] = "counter-v9"
+    with pytest.raises(ValueError, match="noise_stream"):
+        GaussianNoise(seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="step"):
+        cs.draw_counter_noise(torch.empty(3), None, [cs.stream_key(1, 0)], -1, 1.0)
+
+
+def test_copies_and_pickles_continue_the_stream():
+    import pickle
+
+    mechanism = GaussianNoise(seed=3, noise_stream=COUNTER, prefetch=True)
+    shapes = [(cs.CHUNK_NUMEL + 9,)]
+    _steps(mechanism, 2, shapes)
+    copies = [copy.deepcopy(mechanism), pickle.loads(pickle.dumps(mechanism))]
+    expected = _steps(mechanism, 1, shapes)[0]
+    assert all(torch.equal(_steps(other, 1, shapes)[0], expected) for other in copies)
+
+
+
+def test_the_one_chunk_form_for_other_devices_is_keyed_by_key_and_step():
+    # The form used on non-CPU devices (one generator per step, seeded with 64 Philox bits), run here on CPU
+    # tensors: there is no accelerator in the test environment.
+    key, other = cs.stream_key(4, 0), cs.stream_key(5, 0)
+
+    def draw(keys, step):
+        out, scratch = torch.empty(1000), torch.empty(1000)
+        cs._draw_device(out, scratch, keys, step, 1.0)
+        return out
+
+    assert torch.equal(draw([key], 3), draw([key], 3))
+    assert not torch.equal(draw([key], 3), draw([key], 4))
+    assert not torch.equal(draw([key], 3), draw([other], 3))
+    assert torch.equal(draw([key, other], 3), draw([key], 3) + draw([other], 3))
