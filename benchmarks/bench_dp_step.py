@@ -595,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
             f"same batch), the variant's main-thread CPU ms per step minus plain's, in the same interleaved rounds. "
             f"Peak MiB: peak RSS growth of a steady-state step in a fresh process."
         )
+    # The machine check of bench_grad_sample.py: the same matmul after the runs (and the load): if it moved
+    # much from the first reading, the machine's speed changed during the run and its numbers are suspect.
+    print(f"machine check after the runs: 1024^3 matmul {reference_matmul_ms():.1f} ms; load average "
+          + ", ".join(f"{load:.1f}" for load in os.getloadavg()), flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "profiles": profiles_out, "depth_rows": depth_rows}, out, indent=2)

@@ -137,9 +137,7 @@ def stream_table(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1M parameters only, fewer repeats")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument(
         "--streams", action="store_true",
         help="the serial/counter stream table against torch.randn(out=) at 1 and 2 threads instead",
@@ -155,7 +153,9 @@ def main() -> None:
         sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 100_000_000]
         if args.cpu_time:
             print("clock: CPU time of the process (all threads): at 2 threads the total work, not the wall time")
-        stream_table(sizes, repeats=5 if args.quick else 7, clock=time.process_time if args.cpu_time else time.perf_counter)
+        stream_table(
+            sizes, repeats=5 if args.quick else 7, clock=time.process_time if args.cpu_time else time.perf_counter
+        )
         load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
         print(f"load average {load} (after)")
         return
@@ -170,10 +170,7 @@ def main() -> None:
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {gpu}, load average {load}")
     # ratio: median over repeats of (BandMF time / baseline time measured right after it).
-    header = (
-        f"{'device':<7} {'params':>8} {'bands':>5} {'BandMF ms':>10} {'baseline ms':>12} "
-        f"{'ratio':>6}"
-    )
+    header = f"{'device':<7} {'params':>8} {'bands':>5} {'BandMF ms':>10} {'baseline ms':>12} {'ratio':>6}"
     print(header)
     print("-" * len(header))
     for device in devices:

@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from workloads import render_table, time_interleaved
 
 import grad_samplers.conv as conv_module
+import grad_samplers.registry
 from grad_samplers._convolution import patches_are_small
 from privacy_engine import PrivacyEngine
 
@@ -184,7 +185,12 @@ def baseline_forms(tree: str):
         return module
 
     convolution = load("baseline_convolution", "_convolution.py")
-    with mock.patch.dict(sys.modules, {"grad_samplers._convolution": convolution}):
+    # Loading conv.py registers its samplers for the convolution types: the registry is put back after, so
+    # that only the variant that swaps the forms in (``_FORMS``, read at each call) runs the baseline's.
+    with (
+        mock.patch.dict(sys.modules, {"grad_samplers._convolution": convolution}),
+        mock.patch.dict(grad_samplers.registry._SAMPLERS),
+    ):
         return load("baseline_conv", "conv.py")._FORMS
 
 

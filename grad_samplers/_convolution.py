@@ -74,6 +74,17 @@ def patch_matrices(layer: nn.Module, windowed: torch.Tensor, positions: Sequence
     return grouped_patches(windows, layer.groups, len(layer.kernel_size))
 
 
+def unfold_is_faster(layer: nn.Module, positions: Sequence[int]) -> bool:
+    """Whether the Gram form is faster on ``patch_columns`` (``F.unfold``, read transposed) than on
+    ``patch_matrices`` (a strided copy): 2-D kernels of more than one tap at 16 or more output positions.
+
+    Measured (CPU, 1 thread, batch 32, thread CPU time, the Gram norms of resnet18's layers): 3x3 kernels at
+    16 and 64 positions 1.4-1.6x faster (64 positions, 128 channels: 8.5 vs 13.3 ms); at 1 and 4 positions,
+    and 1x1 kernels at any, the strided copy is as fast or faster.
+    """
+    return len(layer.kernel_size) == 2 and math.prod(layer.kernel_size) > 1 and math.prod(positions) >= 16
+
+
 def patch_columns(layer: nn.Module, windowed: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
     """``(B, groups, C/groups * prod(K), L)``: ``patch_matrices`` transposed (one column per output position).
 
@@ -198,7 +209,10 @@ def windowed_gram_squared_norms(layer: nn.Module, windowed: torch.Tensor, other:
     """
     batch_size, groups = other.shape[0], layer.groups
     positions = other.shape[2:]
-    patches = patch_matrices(layer, windowed, positions)
+    if unfold_is_faster(layer, positions):
+        patches = patch_columns(layer, windowed, positions).transpose(-1, -2)  # a view: the product reads it
+    else:
+        patches = patch_matrices(layer, windowed, positions)
     grads = other.reshape(batch_size, groups, other.shape[1] // groups, math.prod(positions)).transpose(-1, -2)
     return gram_squared_norms(patches, grads)
 
@@ -332,5 +346,6 @@ __all__ = [
     "patches_are_small",
     "positions_are_few",
     "sliding_windows",
+    "unfold_is_faster",
     "windowed_gram_squared_norms",
 ]

@@ -41,11 +41,19 @@ from fsdp_worker import (  # the models, data and per-example losses of the hand
 
 from accountants import make_accountant
 from privacy_engine import PrivacyEngine
-from privacy_engine.engine.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from privacy_engine.noise import BandMFNoise
 from privacy_engine.training.distributed import DistributedSettingsError
 
 PLD_GRID = 1e-3
 BATCH = 8
+# Correlated noise through make_private (the test builds its references from the same settings).
+BANDMF_NOISE = {"noise_mechanism": "bandmf", "num_bands": 3, "total_steps": 6, "noise_multiplier": 1.2,
+                "max_grad_norm": 1.5, "noise_seed": 32}  # fmt: skip
+BLT_NOISE = {"noise_mechanism": "blt", "num_bands": 2, "total_steps": 5, "num_buffers": 2, "noise_multiplier": 1.2,
+             "max_grad_norm": 1.5, "noise_seed": 33}  # fmt: skip
+SECURE_BANDMF = {"noise_mechanism": "bandmf", "num_bands": 2, "total_steps": 4, "noise_multiplier": 1.0,
+                 "max_grad_norm": 2.0}  # fmt: skip
+RESUMABLE_BANDMF = {"noise_mechanism": "bandmf", "num_bands": 2, "total_steps": 8}
 
 
 def mlp_loss(model, batch, reduction="mean"):
@@ -65,8 +73,9 @@ def decoder_loss(model, batch):
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def engine_for(model, dataset, *, optimizer=None, **settings):
-    engine = PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=PLD_GRID))
+def engine_for(model, dataset, *, optimizer=None, secure_mode=False, **settings):
+    engine = PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=PLD_GRID),
+                           secure_mode=secure_mode)  # fmt: skip
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.5)
     private = engine.make_private(module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=BATCH),
                                   **settings)  # fmt: skip
@@ -93,18 +102,34 @@ def train(model, dataset, loss_of, *, steps: int, empty_rank: int | None = None,
     seen["noise_multiplier"] = optimizer.noise_multiplier
     seen["epsilon"] = engine.get_epsilon(1e-5)
     seen["steps"] = engine.accountant.steps
+    seen["mechanism"], seen["num_bands"] = engine.noise_plan.mechanism, engine.noise_plan.num_bands
+    seen["noise_settings"] = optimizer.noise.settings()
+    seen["noise_type"] = type(optimizer.noise).__name__
+    if loader.batch_sampler.num_groups > 1:  # cyclic sampling: the global groups every rank holds alike
+        seen["groups"] = [[int(i) for i in group] for group in loader.batch_sampler.groups]
     optimizer.remove_hooks()
     return seen
 
 
-def calibrated() -> dict:
+def bfloat16() -> dict:
+    """FSDP2 mixed precision (bfloat16 compute, float32 reduction) through make_private: one step, noise off."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = mlp()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))  # fmt: skip
+    return train(model, IndexedData(40), mlp_loss, steps=1, noise_multiplier=0.0, max_grad_norm=1.0, noise_seed=18)
+
+
+def calibrated(**settings) -> dict:
     """make_private_with_epsilon: sigma calibrated for 2 epochs of the global loader, then 3 steps."""
     model = sharded(mlp(), [])
     engine = PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=PLD_GRID))
     model, optimizer, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(IndexedData(40), batch_size=BATCH), target_epsilon=3.0, target_delta=1e-5, epochs=2,
-        max_grad_norm=1.0, noise_seed=3,
+        max_grad_norm=1.0, noise_seed=3, **settings,
     )  # fmt: skip
     batches = iter(loader)
     for _ in range(3):
@@ -113,7 +138,8 @@ def calibrated() -> dict:
         optimizer.zero_grad()
     return {"noise_multiplier": optimizer.noise_multiplier, "sample_rate": optimizer.sample_rate,
             "steps_per_epoch": len(loader), "epsilon": engine.get_epsilon(1e-5), "steps": engine.accountant.steps,
-            "steps_left": engine.steps_left(3.0, 1e-5)}  # fmt: skip
+            "steps_left": engine.steps_left(3.0, 1e-5), "mechanism": engine.noise_plan.mechanism,
+            "num_bands": engine.noise_plan.num_bands, "noise_type": type(optimizer.noise).__name__}  # fmt: skip
 
 
 def refusals() -> dict:
@@ -122,7 +148,7 @@ def refusals() -> dict:
     cases = {
         "hooks": {"grad_sample_mode": "hooks"},
         "functorch": {"grad_sample_mode": "functorch"},
-        "bandmf": {"noise_mechanism": "bandmf", "num_bands": 2, "total_steps": 10},
+        "mechanism_object": {"noise_mechanism": BandMFNoise((1.0, 0.5))},
         "per_layer": {"clipping": "per_layer"},
         "no_poisson": {"poisson_sampling": False},
         "user_level": {"privacy_unit": "user", "user_ids": list(range(40))},
@@ -182,21 +208,37 @@ def mismatch(rank: int) -> dict:
     return {"error": None}
 
 
-def resumable(out: Path, phase: str) -> dict:
+def wrong_resume(out: Path) -> dict:
+    """Loading the checkpoint into a run with another noise multiplier: refused before anything changes."""
+    model = sharded_blocks(transformer(), lambda m: list(m.blocks))
+    engine, (model, optimizer, loader) = engine_for(model, TokenData(32), noise_multiplier=0.9, max_grad_norm=0.5,
+                                                    noise_seed=21)  # fmt: skip
+    before = full(model)
+    try:
+        engine.load_checkpoint(path=out.parent / "main" / "checkpoint", module=model, optimizer=optimizer,
+                               data_loader=loader)  # fmt: skip
+        error = None
+    except ValueError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, full(model)))
+    return {"error": error, "unchanged": unchanged, "steps": engine.accountant.steps}
+
+
+def resumable(out: Path, phase: str, folder: str = "checkpoint", **settings) -> dict:
     """AdamW with noise on: main = 2 steps, checkpoint, 2 more steps; resume = load, the same 2 more steps."""
     model = sharded_blocks(transformer(), lambda m: list(m.blocks))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     engine, (model, optimizer, loader) = engine_for(model, TokenData(32), optimizer=optimizer, noise_multiplier=0.8,
-                                                    max_grad_norm=0.5, noise_seed=21)  # fmt: skip
-    checkpoint = out.parent / "main" / "checkpoint"
+                                                    max_grad_norm=0.5, noise_seed=21, **settings)  # fmt: skip
+    checkpoint = out.parent / "main" / folder
     seen: dict = {"indices": []}
     batches = iter(loader)
     if phase == "resume":
-        load_sharded_checkpoint(engine, checkpoint, module=model, optimizer=optimizer, data_loader=loader)
+        engine.load_checkpoint(path=checkpoint, module=model, optimizer=optimizer, data_loader=loader)
         batches = iter(loader)
     for step in range(4 if phase == "main" else 2):
         if phase == "main" and step == 2:
-            save_sharded_checkpoint(engine, checkpoint, module=model, optimizer=optimizer, data_loader=loader)
+            engine.save_checkpoint(path=checkpoint, module=model, optimizer=optimizer, data_loader=loader)
             seen["params_at_checkpoint"] = full(model)
         batch = next(batches)
         token_loss(model, batch).backward()
@@ -206,6 +248,8 @@ def resumable(out: Path, phase: str) -> dict:
     seen["params"] = full(model)
     seen["epsilon"] = engine.get_epsilon(1e-5)
     seen["steps"] = engine.accountant.steps
+    seen["history_numel"] = getattr(optimizer.noise, "history_numel", lambda: 0)()
+    optimizer.remove_hooks()
     return seen
 
 
@@ -264,16 +308,31 @@ def main() -> None:
             ("lora_empty", lambda: train(sharded_blocks(lora_decoder(), decoder_blocks), TokenData(32),
                                          decoder_loss, steps=2, noise_multiplier=0.0, max_grad_norm=0.5,
                                          noise_seed=17, empty_rank=1)),
+            ("bfloat16", bfloat16),
+            ("noise_only", lambda: train(sharded(mlp(), []), IndexedData(40), lambda m, b: mlp_loss(m, b) * 0,
+                                         steps=3, noise_multiplier=2.0, max_grad_norm=1.5, noise_seed=14)),
             ("noisy", lambda: train(sharded(mlp(), []), IndexedData(40), mlp_loss, steps=4, noise_multiplier=1.3,
                                     max_grad_norm=1.0, noise_seed=14)),
+            ("bandmf_clean", lambda: train(sharded(mlp(), []), IndexedData(40), mlp_loss, steps=3,
+                                           noise_multiplier=0.0, max_grad_norm=1.0, noise_seed=31,
+                                           noise_mechanism="bandmf", num_bands=2, total_steps=6)),
+            ("bandmf_noise", lambda: train(sharded(mlp(), []), IndexedData(40), lambda m, b: mlp_loss(m, b) * 0,
+                                           steps=4, **BANDMF_NOISE)),
+            ("blt_noise", lambda: train(sharded(mlp(), []), IndexedData(40), lambda m, b: mlp_loss(m, b) * 0,
+                                        steps=4, **BLT_NOISE)),
+            ("auto", lambda: calibrated(noise_mechanism="auto")),
+            ("secure_bandmf", lambda: train(sharded(mlp(), []), IndexedData(40), lambda m, b: mlp_loss(m, b) * 0,
+                                            steps=1, secure_mode=True, **SECURE_BANDMF)),
             ("calibrated", calibrated),
             ("refusals", refusals),
             ("loop_errors", loop_errors),
             ("mismatch", lambda: mismatch(rank)),
             ("resumable", lambda: resumable(out, "main")),
+            ("resumable_bandmf", lambda: resumable(out, "main", "checkpoint_bandmf", **RESUMABLE_BANDMF)),
             ("crashed", lambda: crashed(rank)),
         ],
-        "resume": [("resumable", lambda: resumable(out, "resume"))],
+        "resume": [("wrong_resume", lambda: wrong_resume(out)), ("resumable", lambda: resumable(out, "resume")),
+                   ("resumable_bandmf", lambda: resumable(out, "resume", "checkpoint_bandmf", **RESUMABLE_BANDMF))],
     }[phase]  # fmt: skip
     try:
         for name, scenario in scenarios:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import IndexedData, full, mlp, mlp_losses, sharded
+from fsdp_worker import IndexedData, TokenData, full, mlp, mlp_losses, sharded, token_losses, transformer
 
 from accountants import make_accountant
 from privacy_engine.noise import BandMFNoise, BLTNoise, BLTStrategy
@@ -40,12 +40,17 @@ BANDMF = {"coefficients": (1.0, 0.6, 0.3), "sigma": 1.5, "clip": 1.0, "seed": 21
 BLT = {"buf_decay": (0.9, 0.5), "output_scale": (0.3, 0.2), "min_sep": 2, "total_steps": 6, "sigma": 1.2,
        "clip": 0.8, "seed": 22, "steps": 5}  # fmt: skip
 MIXED = {"clip": 0.5, "lr": 0.5, "seed": 23, "steps": 2}
+#: name: (model, its blocks sharded on their own, dataset, per-example losses)
+MIXED_MODELS = {
+    "mlp": (mlp, lambda model: [model[0]], lambda: IndexedData(40), mlp_losses),
+    "transformer": (transformer, lambda model: list(model.blocks), lambda: TokenData(32), token_losses),
+}
 
 
-def cyclic_loader(num_groups: int, seed: int, steps: int = 8) -> DistributedDPDataLoader:
+def cyclic_loader(num_groups: int, seed: int, steps: int = 8, dataset=None) -> DistributedDPDataLoader:
     return DistributedDPDataLoader.from_data_loader(
-        DataLoader(IndexedData(40), batch_size=BATCH), rank=dist.get_rank(), world_size=dist.get_world_size(),
-        seed=seed, num_groups=num_groups, steps=steps,
+        DataLoader(IndexedData(40) if dataset is None else dataset, batch_size=BATCH), rank=dist.get_rank(),
+        world_size=dist.get_world_size(), seed=seed, num_groups=num_groups, steps=steps,
     )  # fmt: skip
 
 
@@ -106,23 +111,25 @@ def wrong_grouping() -> dict:
     return refused_step(BANDMF["coefficients"], 1, ValueError)
 
 
-def mixed_precision() -> dict:
-    """bfloat16 compute, float32 reduction and parameters (the first layer sharded on its own too): the
-    clipped sums, per-example norms and parameters of each step, no noise."""
-    model = mlp().float()
+def mixed_precision(name: str) -> dict:
+    """bfloat16 compute, float32 reduction and parameters (blocks sharded on their own too) of MIXED_MODELS[name]:
+    the clipped sums, per-example norms and parameters of each step, no noise."""
+    build, blocks_of, dataset, losses_of = MIXED_MODELS[name]
+    model = build().float()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    loader = cyclic_loader(1, MIXED["seed"])
+    loader = cyclic_loader(1, MIXED["seed"], dataset=dataset())
     clipping = FSDPGhostClipping(model, max_grad_norm=MIXED["clip"])
     step = FSDPPrivateStep(torch.optim.SGD(model.parameters(), lr=MIXED["lr"]),
                            ShardNoise(noise_multiplier=0.0, max_grad_norm=MIXED["clip"], seed=0), loader)  # fmt: skip
     seen: dict = {"indices": [], "clipped_sums": [], "norms": [], "loss_dtypes": [], "params": [full(model)]}
     batches = iter(loader)
     for _ in range(MIXED["steps"]):
-        features, labels, indices = next(batches)
-        losses = mlp_losses(model, (features.float(), labels, indices))
+        inputs, targets, indices = next(batches)
+        losses = losses_of(model, (inputs.float() if inputs.is_floating_point() else inputs, targets, indices))
         seen["loss_dtypes"].append(str(losses.dtype))
         norms = clipping.backward(losses)
         seen["norms"].append(norms.clone())
@@ -163,7 +170,8 @@ def main() -> None:
         ("blt", blt),
         ("strategy_mismatch", lambda: strategy_mismatch(rank)),
         ("wrong_grouping", wrong_grouping),
-        ("mixed_precision", mixed_precision),
+        ("mixed_precision", lambda: mixed_precision("mlp")),
+        ("mixed_precision_transformer", lambda: mixed_precision("transformer")),
         ("refused_precisions", refused_precisions),
     ]
     try:

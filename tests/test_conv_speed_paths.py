@@ -2,7 +2,9 @@
 (the batch folded into the groups) and the patch form ``G^T A`` (``patches_are_small``: no more output
 positions than output channels per group, the deep layers of a CNN). Each is forced in turn and checked
 against a float64 per-example loop over conv1d/2d/3d, stride, padding ('same', 'valid', int), dilation,
-groups, every padding mode and channels_last input; and the choice itself is checked."""
+groups, every padding mode and channels_last input; and the choice itself is checked. The same for the ghost
+norm and clipped-sum forms: the norms through ``F.unfold``'s columns, the Gram form on both patch layouts
+(``unfold_is_faster``) and the clipped sum as one product over the patches (``positions_are_few``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from conftest import ATOL, RTOL, per_example_reference
 from torch import nn
 
 import grad_samplers
+import grad_samplers._convolution as convolution_module
 import grad_samplers.conv as conv_module
+import grad_samplers.conv_transpose as conv_transpose_module
 from grad_samplers._convolution import patches_are_small, positions_are_few
 
 DOUBLE = torch.float64
@@ -128,8 +132,9 @@ def test_both_forms_give_the_same_float32_result_to_rounding():
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}d-g{c[7]}-{c[8]}-{c[5]}")
 def test_patch_norm_and_both_weighted_sum_forms_match_a_float64_per_example_loop(config):
-    """The norms through the patch columns (``patch_weight_norms``: the Gram form turned off) and the clipped
-    sum both as one product over the patches (``patch_weight_backward``) and as the backend's weight backward."""
+    """The norms through the patch columns (``patch_weight_norms``: the Gram form turned off), in the Gram form
+    on both patch layouts (``unfold_is_faster``), and the clipped sum both as one product over the patches
+    (``patch_weight_backward``) and as the backend's weight backward."""
     torch.manual_seed(len(config[9]) * 100 + config[1] + 7)
     layer = _layer(config)
     inputs = torch.randn(config[10], config[1], *config[9], dtype=DOUBLE)
@@ -144,13 +149,22 @@ def test_patch_norm_and_both_weighted_sum_forms_match_a_float64_per_example_loop
         mock.patch.object(conv_module, "gram_is_cheaper", lambda *args: False),
     ):
         norms = conv_module.conv_norm_sample(layer, activations, backprops)
+    gram_norms = {}
+    for rule in (True, False):  # the Gram form on F.unfold's columns and on the strided patch copy
+        with (
+            mock.patch.object(conv_module, "gram_is_cheaper", lambda *args: True),
+            mock.patch.object(convolution_module, "unfold_is_faster", lambda *args, rule=rule: rule),
+        ):
+            gram_norms[rule] = conv_module.conv_norm_sample(layer, activations, backprops)
     sums = {}
     for form, rule in (("patches", True), ("backend", False)):
         with mock.patch.object(conv_module, "positions_are_few", lambda *args, rule=rule: rule):
             sums[form] = conv_module.conv_weighted_sum(layer, activations, backprops, weights)
     for name in ("weight", "bias"):
         param = getattr(layer, name)
-        torch.testing.assert_close(norms[param], expected[name].flatten(1).square().sum(dim=1), rtol=RTOL, atol=ATOL)
+        squared = expected[name].flatten(1).square().sum(dim=1)
+        for result in (norms, gram_norms[True], gram_norms[False]):
+            torch.testing.assert_close(result[param], squared, rtol=RTOL, atol=ATOL)
         for form in ("patches", "backend"):
             torch.testing.assert_close(
                 sums[form][param], torch.einsum("b,b...->...", weights, expected[name]), rtol=RTOL, atol=ATOL
@@ -168,3 +182,31 @@ def test_the_patch_weight_backward_is_chosen_for_few_positions():
             layer = nn.Conv2d(4, 16, 3, padding=1, groups=2)
             conv_module.conv_weighted_sum(layer, (torch.randn(3, 4, *size),), torch.randn(3, 16, *size), torch.rand(3))
             assert bool(calls) == used
+
+
+@pytest.mark.parametrize(
+    ("in_channels", "out_channels", "kernel", "stride", "padding", "output_padding", "dilation", "groups"),
+    [(4, 6, 3, 2, 1, 1, 1, 2), (2, 4, 3, 1, 1, 0, 2, 1), (3, 3, (2, 3), 2, 0, 1, 1, 3)],
+)
+def test_transposed_convolution_gram_form_on_both_layouts_matches_a_float64_loop(
+    in_channels, out_channels, kernel, stride, padding, output_padding, dilation, groups
+):
+    """A transposed convolution windows its output gradient: the Gram form on ``F.unfold``'s columns
+    (``unfold_is_faster``) and on the strided copy, each against the per-example loop's weight-gradient norms."""
+    torch.manual_seed(in_channels + 10 * out_channels)
+    layer = nn.ConvTranspose2d(
+        in_channels, out_channels, kernel, stride, padding, output_padding=output_padding, dilation=dilation,
+        groups=groups,
+    ).to(DOUBLE)  # fmt: skip
+    inputs = torch.randn(3, in_channels, 6, 7, dtype=DOUBLE)
+    target = torch.randn_like(layer(inputs))
+    expected = _per_example(copy.deepcopy(layer), inputs, target)["weight"].flatten(1).square().sum(dim=1)
+    activations, backprops = _activations_and_backprops(copy.deepcopy(layer), inputs, target)
+    sampler = grad_samplers.norm_sampler_for(layer)
+    for rule in (True, False):
+        with (
+            mock.patch.object(conv_transpose_module, "gram_is_cheaper", lambda *args: True),
+            mock.patch.object(convolution_module, "unfold_is_faster", lambda *args, rule=rule: rule),
+        ):
+            norms = sampler(layer, activations, backprops)
+        torch.testing.assert_close(norms[layer.weight], expected, rtol=RTOL, atol=ATOL)

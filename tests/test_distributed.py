@@ -354,11 +354,11 @@ def test_resuming_every_rank_from_rank_zeros_checkpoint_repeats_the_steps(job):
 
 
 @pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)
-def test_fsdp2_is_refused_with_a_clear_error(job):
+def test_fsdp2_in_hooks_mode_is_refused_with_a_clear_error(job):
     result = job[0]["fsdp2"]
     if "unavailable" in result:
         pytest.skip(f"fully_shard on CPU/gloo unavailable here: {result['unavailable']}")
-    assert "FSDP2" in result["error"] and "DistributedDataParallel" in result["error"]
+    assert "FSDP2" in result["error"] and "grad_sample_mode='ghost'" in result["error"]
 
 
 @pytest.mark.slow  # the one 2-process job this module spawns (about 15 s on 2 cores)

@@ -153,6 +153,18 @@ def shard_rows(length: int, rank: int, world_size: int) -> slice:
     return slice(min(rank * chunk, length), min((rank + 1) * chunk, length))
 
 
+def replayed_noise(like: torch.Tensor, replays: list[ShardNoise]) -> torch.Tensor:
+    """The next noise of a parameter shaped ``like``, each rank's dim-0 shard from its own replayed stream."""
+    expected = torch.zeros_like(like)
+    for rank, replay in enumerate(replays):
+        rows = shard_rows(like.shape[0], rank, len(replays))
+        local = torch.zeros_like(expected[rows])
+        local.grad = torch.zeros_like(local)
+        replay.add_([local])
+        expected[rows] = local.grad
+    return expected
+
+
 @pytest.mark.slow  # the 2- and 4-process jobs this module spawns (about 15 s and 35 s on 2 cores)
 def test_each_shard_is_noised_once_from_its_ranks_own_stream(job):
     ranks = [result["noisy"] for result in job]
@@ -168,14 +180,7 @@ def test_each_shard_is_noised_once_from_its_ranks_own_stream(job):
             for other in ranks[1:]:
                 assert torch.equal(other["params"][step + 1][position], param_after)
             released = (param_before - param_after) / lr * batch
-            expected = torch.zeros_like(released)
-            for rank, replay in enumerate(replays):
-                rows = shard_rows(released.shape[0], rank, world_size)
-                local = torch.zeros_like(expected[rows])
-                local.grad = torch.zeros_like(local)
-                replay.add_([local])
-                expected[rows] = local.grad
-            torch.testing.assert_close(released, expected, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(released, replayed_noise(released, replays), rtol=1e-9, atol=1e-9)
             noise_rows.append(released.reshape(-1) / batch)
     noise = torch.cat(noise_rows)
     # Per-coordinate std of the released update: sigma C / B (about 700 coordinates: 5 standard errors).

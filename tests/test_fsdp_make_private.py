@@ -15,14 +15,28 @@ import sys
 from pathlib import Path
 
 import dp_accounting
+import numpy as np
 import pytest
 import torch
 from conftest import run_rank_job
 from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.utils.data import DataLoader
 
+from accountants import make_accountant
+from privacy_engine import PrivacyEngine
+from privacy_engine.engine.bands import strategy_coefficients
 from privacy_engine.engine.checkpoint.sharded import _MetadataUnpickler
+from privacy_engine.engine.mechanism_choice import blt_strategy
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.sharded import fsdp_options
+from privacy_engine.noise import BandMFNoise
+from privacy_engine.training.fsdp import ShardNoise
 from privacy_engine.training.fsdp_private import OutputCapture, per_example_surrogate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +46,10 @@ PLD_GRID = 1e-3
 DELTA = 1e-5
 
 sys.path.insert(0, str(ROOT / "tests"))
+import fsdp_make_private_worker as worker  # the correlated-noise settings the job ran
 import fsdp_worker  # the worker's models, data and per-example losses, for the references
-from test_fsdp import clipped_sum, float64
+import test_fsdp_noise as correlated  # the replayed draws and the dense C^{-1} Z reference of the sharded mechanisms
+from test_fsdp import clipped_sum, float64, replayed_noise, shard_rows
 
 
 def _run(world_size: int, out: Path, phase: str) -> list[dict]:
@@ -122,6 +138,38 @@ def test_a_rank_with_an_empty_batch_takes_part_on_a_padding_row_that_adds_nothin
     check_updates(ranks, fsdp_worker.lora_decoder, dataset, fsdp_worker.decoder_losses, clip=0.5, lr=0.5)
 
 
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_each_shard_is_noised_once_from_the_stream_its_rank_derives_from_noise_seed(jobs):
+    ranks = [rank["noise_only"] for rank in jobs[0]]  # zero losses: each update is the noise alone
+    world_size, batch = len(ranks), ranks[0]["expected_batch_size"]
+    replays = [ShardNoise(noise_multiplier=2.0, max_grad_norm=1.5, seed=14, rank=rank) for rank in range(world_size)]
+    for step in range(3):
+        for before, after in zip(ranks[0]["params"][step], ranks[0]["params"][step + 1]):
+            released = (before - after) / 0.5 * batch
+            torch.testing.assert_close(released, replayed_noise(released, replays), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_a_checkpoint_of_other_settings_is_refused_before_anything_changes(jobs):
+    for rank in jobs[1]:
+        result = rank["wrong_resume"]
+        assert result["error"] is not None and result["error"].startswith("CheckpointError")
+        assert "noise_multiplier=0.8" in result["error"] and result["unchanged"] and result["steps"] == 0
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_bfloat16_mixed_precision_releases_the_clipped_sum_up_to_bfloat16_rounding(jobs):
+    ranks = [rank["bfloat16"] for rank in jobs[0]]
+    with float64():
+        model, dataset = fsdp_worker.mlp(), fsdp_worker.IndexedData(40)
+        union = [index for rank in ranks for index in rank["indices"][0]]
+        expected = clipped_sum(model, fsdp_worker.mlp_losses, dataset, union, 1.0)
+    for before, after, want in zip(ranks[0]["params"][0], ranks[0]["params"][1], expected):
+        released = (before - after) * 8.0 / 0.5
+        # bfloat16 compute (8-bit mantissa): about 1 % measured; float32 runs agree to 1e-6.
+        assert float((released - want).norm() / want.norm()) < 3e-2
+
+
 def _dp_accounting_epsilon(sigma: float, steps: int) -> float:
     accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_GRID)
     accountant.compose(dp_accounting.SelfComposedDpEvent(
@@ -136,6 +184,151 @@ def test_engine_epsilon_is_the_single_process_poisson_gaussian_event(jobs):
     assert ranks[0]["sample_rate"] == pytest.approx(8 / 40)
     assert ranks[0]["epsilon"] == pytest.approx(_dp_accounting_epsilon(1.3, 4), rel=1e-9)
     assert {rank["epsilon"] for rank in ranks} == {ranks[0]["epsilon"]}
+
+
+# ------------------------------------------------------------------------------ BandMF / BLT through make_private
+def check_correlated_release(ranks: list[dict], strategy, std_multiplier: float, settings: dict) -> None:
+    """The released noise is row t of C^{-1} Z, Z assembled from each rank's replayed stream (seed noise_seed)."""
+    released = correlated.released_noise(ranks, lr=0.5)
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    draws = correlated.replayed_draws(shapes, len(released), std_multiplier=std_multiplier,
+                                      clip=settings["max_grad_norm"], seed=settings["noise_seed"],
+                                      world_size=len(ranks))  # fmt: skip
+    expected = correlated.correlated_reference(strategy, draws)
+    for t, (got_step, want_step) in enumerate(zip(released, expected)):
+        for got, want in zip(got_step, want_step):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m, t=t: f"step {t}: {m}")
+    assert float(released[-1][0].abs().max()) > 0
+
+
+def check_cyclic_groups(ranks: list[dict], bands: int) -> None:
+    """Every rank holds the same b global groups, a partition of the dataset; step t samples only group t mod b."""
+    groups = ranks[0]["groups"]
+    assert len(groups) == bands and all(rank["groups"] == groups for rank in ranks)
+    assert sorted(i for group in groups for i in group) == list(range(40))
+    for step in range(len(ranks[0]["indices"])):
+        union = [index for rank in ranks for index in rank["indices"][step]]
+        assert set(union) <= set(groups[step % bands]), step
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_bandmf_through_make_private_releases_the_float64_clipped_sum_with_noise_off(jobs):
+    ranks = [rank["bandmf_clean"] for rank in jobs[0]]
+    assert {(rank["noise_type"], rank["mechanism"], rank["num_bands"]) for rank in ranks} == {
+        ("ShardMechanismNoise", "bandmf", 2)}  # fmt: skip
+    check_cyclic_groups(ranks, 2)
+    with float64():
+        dataset = fsdp_worker.IndexedData(40)
+    check_updates(ranks, fsdp_worker.mlp, dataset, fsdp_worker.mlp_losses, clip=1.0, lr=0.5)
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_bandmf_through_make_private_releases_the_single_process_strategy_noise_from_the_ranks_streams(jobs):
+    ranks = [rank["bandmf_noise"] for rank in jobs[0]]
+    settings = worker.BANDMF_NOISE
+    bands = settings["num_bands"]
+    coefficients = strategy_coefficients(settings["total_steps"], bands)  # what a single process would build
+    assert all(rank["noise_settings"]["coefficients"] == list(coefficients) for rank in ranks)
+    check_cyclic_groups(ranks, bands)
+    strategy = correlated.banded_toeplitz(coefficients, len(ranks[0]["indices"]))
+    check_correlated_release(ranks, strategy, settings["noise_multiplier"] * float(np.linalg.norm(coefficients)),
+                             settings)  # fmt: skip
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_bandmf_through_make_private_spends_the_single_process_cyclic_poisson_epsilon(jobs):
+    ranks = [rank["bandmf_noise"] for rank in jobs[0]]
+    settings = worker.BANDMF_NOISE
+    bands, steps = settings["num_bands"], len(ranks[0]["indices"])
+    rate = worker.BATCH * bands / 40
+    assert {rank["steps"] for rank in ranks} == {steps} and ranks[0]["sample_rate"] == pytest.approx(rate)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(settings["noise_multiplier"])),
+        -(-steps // bands),  # each example takes part at most once in every b consecutive steps
+    )  # fmt: skip
+    assert ranks[0]["epsilon"] == pytest.approx(correlated.pld_epsilon(event), rel=1e-9)
+    assert {rank["epsilon"] for rank in ranks} == {ranks[0]["epsilon"]}
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_secure_mode_bandmf_noises_every_shard_at_the_strategy_std_from_each_ranks_os_stream(jobs):
+    ranks = [rank["secure_bandmf"] for rank in jobs[0]]
+    settings = worker.SECURE_BANDMF
+    assert {rank["noise_type"] for rank in ranks} == {"ShardMechanismNoise"}
+    coefficients = strategy_coefficients(settings["total_steps"], settings["num_bands"])
+    # Step 0 releases z_0 / c_0, z_0 of std sigma ||c|| C (the strategy's column norm).
+    sigma, clip = settings["noise_multiplier"], settings["max_grad_norm"]
+    std = sigma * clip * float(np.linalg.norm(coefficients)) / coefficients[0]
+    noise = torch.cat([entry.flatten() for entry in correlated.released_noise(ranks, lr=0.5)[0]])
+    assert 0.75 * std < float(noise.std()) < 1.25 * std  # 171 draws: 25 % is more than 4 standard errors
+    # No two ranks draw the same numbers: the first rows of two ranks' shards of the first weight differ.
+    weight = correlated.released_noise(ranks, lr=0.5)[0][0]
+    second = shard_rows(weight.shape[0], 1, len(ranks)).start
+    assert not torch.equal(weight[:1], weight[second : second + 1])
+
+
+def _blt_sensitivity(strategy, min_sep: int, steps: int) -> float:
+    matrix = correlated.blt_toeplitz(strategy.buf_decay, strategy.output_scale, steps)
+    return correlated.brute_force_sensitivity(matrix, min_sep)
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_blt_through_make_private_releases_its_noise_and_spends_the_single_process_epsilon(jobs):
+    ranks = [rank["blt_noise"] for rank in jobs[0]]
+    settings = worker.BLT_NOISE
+    min_sep, total, steps = settings["num_bands"], settings["total_steps"], len(ranks[0]["indices"])
+    strategy = blt_strategy(total, settings["num_buffers"], min_sep)  # what a single process would build
+    for rank in ranks:
+        assert rank["noise_type"] == "ShardMechanismNoise" and rank["mechanism"] == "blt"
+        assert rank["noise_settings"]["buf_decay"] == list(strategy.buf_decay)
+        assert rank["noise_settings"]["output_scale"] == list(strategy.output_scale)
+        assert rank["noise_settings"]["min_sep"] == min_sep
+    check_cyclic_groups(ranks, min_sep)
+    sigma = settings["noise_multiplier"]
+    check_correlated_release(ranks, correlated.blt_toeplitz(strategy.buf_decay, strategy.output_scale, steps),
+                             sigma * _blt_sensitivity(strategy, min_sep, total), settings)  # fmt: skip
+    # Draws at the sensitivity of total_steps, released over the steps run: Gaussian sigma * S_total / S_steps.
+    multiplier = sigma * _blt_sensitivity(strategy, min_sep, total) / _blt_sensitivity(strategy, min_sep, steps)
+    assert ranks[0]["epsilon"] == pytest.approx(correlated.pld_epsilon(dp_accounting.GaussianDpEvent(multiplier)),
+                                                rel=1e-6)  # fmt: skip
+    assert {rank["epsilon"] for rank in ranks} == {ranks[0]["epsilon"]}
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_auto_noise_calibrates_and_picks_what_a_single_process_picks_and_spends_its_epsilon(jobs):
+    ranks = [rank["auto"] for rank in jobs[0]]
+    with float64():
+        engine = PrivacyEngine(accountant=make_accountant("pld", value_discretization_interval=PLD_GRID))
+        model = fsdp_worker.mlp()
+        model, optimizer, loader = engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(fsdp_worker.IndexedData(40), batch_size=worker.BATCH), grad_sample_mode="ghost",
+            noise_mechanism="auto", target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0)  # fmt: skip
+        batches = iter(loader)
+        for _ in range(3):  # the steps the sharded run took
+            features, labels, _ = next(batches)
+            nn.functional.cross_entropy(model(features), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert engine.noise_plan.mechanism != "gaussian"  # here "auto" picks correlated noise (BandMF, b = 2)
+    for rank in ranks:
+        assert rank["noise_type"] == "ShardMechanismNoise"
+        assert (rank["mechanism"], rank["num_bands"]) == (engine.noise_plan.mechanism, engine.noise_plan.num_bands)
+        assert rank["noise_multiplier"] == pytest.approx(engine.noise_plan.noise_multiplier, rel=1e-12)
+        assert rank["epsilon"] == pytest.approx(engine.get_epsilon(DELTA), rel=1e-9)
+
+
+@pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
+def test_a_fresh_set_of_ranks_resumes_a_bandmf_run_bit_identically(jobs):
+    main, resumed = jobs
+    for before, after in zip(main, resumed):
+        uninterrupted, again = before["resumable_bandmf"], after["resumable_bandmf"]
+        assert uninterrupted["history_numel"] > 0 and again["history_numel"] == uninterrupted["history_numel"]
+        assert again["indices"] == uninterrupted["indices"][2:]
+        assert all(torch.equal(a, b) for a, b in zip(again["params"], uninterrupted["params"]))
+        assert not all(torch.equal(a, b) for a, b in zip(again["params"], uninterrupted["params_at_checkpoint"]))
+        assert again["steps"] == uninterrupted["steps"] == 4
+        assert again["epsilon"] == uninterrupted["epsilon"]
 
 
 @pytest.mark.slow  # the 2- and 4-rank jobs (about 30 s and 60 s on 2 cores)
@@ -155,7 +348,7 @@ def test_make_private_with_epsilon_calibrates_for_the_global_loader_and_keeps_th
 def test_settings_fsdp_cannot_honour_are_refused_before_anything_changes(jobs):
     refusals = jobs[0][0]["refusals"]
     expected = {"hooks": "grad_sample_mode='ghost'", "functorch": "grad_sample_mode='ghost'",
-                "bandmf": "noise_mechanism='bandmf'", "per_layer": "clipping='per_layer'",
+                "mechanism_object": "noise_mechanism=BandMFNoise(...)", "per_layer": "clipping='per_layer'",
                 "no_poisson": "poisson_sampling=False", "user_level": "privacy_unit='user'"}  # fmt: skip
     for name, words in expected.items():
         assert refusals[name]["error"] is not None and words in refusals[name]["error"], (name, refusals[name])
@@ -265,8 +458,7 @@ def test_the_surrogate_refuses_a_step_before_backward_and_allows_an_empty_batch(
 
 
 @pytest.mark.parametrize("setting, words", [
-    ({"noise_mechanism": "blt", "total_steps": 4}, "noise_mechanism='blt'"),
-    ({"num_bands": 2, "noise_mechanism": "bandmf", "total_steps": 4}, "noise_mechanism='bandmf'"),
+    ({"noise_mechanism": BandMFNoise((1.0, 0.5))}, "noise_mechanism=BandMFNoise(...)"),
     ({"max_batch_size": 10}, "max_batch_size=10"),
     ({"clipping": "adaptive", "target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.2, "max_clipbound": 5.0,
       "min_clipbound": 0.1, "unclipped_num_std": 1.0}, "clipping='adaptive'"),
@@ -285,6 +477,18 @@ def test_the_default_mode_becomes_ghost_and_accepted_settings_pass():
     assert fsdp_options(options, nn.Linear(2, 2)).grad_sample_mode == "ghost"
 
 
+@pytest.mark.parametrize("setting", [
+    {"noise_mechanism": "bandmf", "num_bands": 2, "total_steps": 4},
+    {"noise_mechanism": "bandmf", "bandmf_coefficients": (1.0, 0.5)},
+    {"noise_mechanism": "blt", "total_steps": 4, "num_buffers": 2},
+    {"noise_mechanism": "auto", "target_epsilon": 3.0, "target_delta": 1e-5, "epochs": 2},
+])  # fmt: skip
+def test_correlated_noise_settings_pass_to_the_sharded_build(setting):
+    sigma = {} if "target_epsilon" in setting else {"noise_multiplier": 1.0}  # "auto" compares at one epsilon
+    options = PrivacyOptions(max_grad_norm=1.0, **sigma, **setting)
+    assert fsdp_options(options, nn.Linear(2, 2)).noise_mechanism == setting["noise_mechanism"]
+
+
 def test_the_metadata_unpickler_builds_dcp_metadata_and_refuses_any_other_global():
     class Payload:
         def __reduce__(self):
@@ -292,10 +496,41 @@ def test_the_metadata_unpickler_builds_dcp_metadata_and_refuses_any_other_global
 
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(Payload()))).load()
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata
-
     metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
         TensorProperties(dtype=torch.float64), torch.Size([4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])})  # fmt: skip
     loaded = _MetadataUnpickler(io.BytesIO(pickle.dumps(metadata))).load()
     assert loaded.state_dict_metadata["w"].size == torch.Size([4])
     assert loaded.state_dict_metadata["w"].properties.dtype == torch.float64
+
+
+def test_dcp_non_tensor_items_are_read_as_plain_data_only():
+    """DCP loads a checkpoint's non-tensor items (the optimizer's hyperparameters) with
+    ``torch.load(weights_only=False)``; the planner the sharded load uses refuses a pickle naming any other
+    global before DCP unpickles it, and hands plain data to DCP unchanged."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from privacy_engine.engine.checkpoint.file import CheckpointError
+    from privacy_engine.engine.checkpoint.sharded import _SafeLoadPlanner
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran code",))
+
+    def item(name):
+        index = MetadataIndex(name)
+        return ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size([0]),
+                        storage_index=index, storage_offsets=torch.Size([0]), lengths=torch.Size([0]))  # fmt: skip
+
+    def saved(value):
+        stream = io.BytesIO()
+        torch.save(value, stream)
+        stream.seek(0)
+        return stream
+
+    planner = _SafeLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {"lr": 0.0}
+    with pytest.raises(CheckpointError, match="'payload' is not plain data"):
+        planner.load_bytes(item("payload"), saved(Payload()))
+    planner.load_bytes(item("lr"), saved({"lr": 0.25, "betas": (0.9, 0.99)}))
+    assert planner.state_dict["lr"] == {"lr": 0.25, "betas": (0.9, 0.99)}

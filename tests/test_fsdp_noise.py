@@ -30,8 +30,7 @@ WORLD_SIZE = 2
 DELTA = 1e-5
 
 sys.path.insert(0, str(ROOT / "tests"))
-import fsdp_noise_worker as worker  # the scenarios' settings, for the references
-import fsdp_worker  # the models and data
+import fsdp_noise_worker as worker  # the scenarios, models and data, for the references
 from test_fsdp import float64  # the default dtype inside a block
 from test_fsdp import shard_rows as shard_rows_of  # FSDP2's dim-0 chunks
 
@@ -50,23 +49,27 @@ def shard_rows(length: int, rank: int) -> slice:
     return shard_rows_of(length, rank, WORLD_SIZE)
 
 
-def released_noise(ranks: list[dict]) -> list[list[torch.Tensor]]:
-    """Per step, per parameter: the gathered update times B (SGD with lr 1, zero losses: the noise alone),
+def released_noise(ranks: list[dict], lr: float = 1.0) -> list[list[torch.Tensor]]:
+    """Per step, per parameter: the gathered update times B / lr (SGD, zero losses: the noise alone),
     checked equal on every rank."""
     params, batch = ranks[0]["params"], ranks[0]["expected_batch_size"]
     for other in ranks[1:]:
         for step_params, theirs in zip(params, other["params"]):
             assert all(torch.equal(a, b) for a, b in zip(step_params, theirs))
-    return [[(before - after) * batch for before, after in zip(params[t], params[t + 1])]
+    return [[(before - after) * batch / lr for before, after in zip(params[t], params[t + 1])]
             for t in range(len(params) - 1)]  # fmt: skip
 
 
 def replayed_draws(shapes: list[torch.Size], steps: int, *, std_multiplier: float, clip: float,
-                   seed: int) -> list[list[torch.Tensor]]:  # fmt: skip
+                   seed: int, world_size: int = WORLD_SIZE) -> list[list[torch.Tensor]]:  # fmt: skip
     """Per step, per parameter: the full matrix Z of fresh draws, each rank's rows from that rank's own stream,
     replayed with the same seed and rank as iid Gaussian noise of std ``std_multiplier * clip``."""
+
+    def shard_rows(length: int, rank: int) -> slice:
+        return shard_rows_of(length, rank, world_size)
+
     full = [[torch.zeros(shape, dtype=torch.float64) for shape in shapes] for _ in range(steps)]
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         stream = ShardMechanismNoise(GaussianNoise(), noise_multiplier=std_multiplier, max_grad_norm=clip, seed=seed,
                                      rank=rank)  # fmt: skip
         locals_ = [torch.zeros_like(p[shard_rows(p.shape[0], rank)]) for p in full[0]]
@@ -236,19 +239,21 @@ def bf16(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.bfloat16).to(torch.float64)
 
 
-def per_example_grads(params: list[torch.Tensor], dataset, indices: list[int]) -> list[list[torch.Tensor]]:
-    """Each example's own gradient on the MLP with ``params`` (rounded to bfloat16) and bfloat16-rounded
-    inputs, in float64: the computation FSDP runs in bfloat16, done exactly."""
+def per_example_grads(name: str, params: list[torch.Tensor], indices: list[int]) -> list[list[torch.Tensor]]:
+    """Each example's own gradient on the model ``name`` with ``params`` (rounded to bfloat16) and
+    bfloat16-rounded floating inputs, in float64: the computation FSDP runs in bfloat16, done exactly."""
+    build, _, dataset_of, losses_of = worker.MIXED_MODELS[name]
     with float64():
-        model = fsdp_worker.mlp()
+        model, dataset = build(), dataset_of()
         with torch.no_grad():
             for param, value in zip(model.parameters(), params):
                 param.copy_(bf16(value))
         grads = []
         for index in indices:
-            features, label, _ = dataset[index]
+            inputs, targets, _ = dataset[index]
+            inputs = bf16(inputs) if inputs.is_floating_point() else inputs
             model.zero_grad()
-            fsdp_worker.mlp_losses(model, (bf16(features).unsqueeze(0), label.unsqueeze(0), None)).sum().backward()
+            losses_of(model, (inputs.unsqueeze(0), targets.unsqueeze(0), None)).sum().backward()
             grads.append([p.grad.clone() for p in model.parameters()])
     return grads
 
@@ -256,23 +261,23 @@ def per_example_grads(params: list[torch.Tensor], dataset, indices: list[int]) -
 # bfloat16 keeps 8 significant bits (unit roundoff 2^-9 = 0.002 for round-to-nearest). FSDP runs the forward
 # and both backward passes in bfloat16 (each layer's output and output gradient rounded: three layers, about
 # ten roundings on the way to a parameter's gradient), so an example's gradient and its norm are off by a few
-# times 2^-9 relative; 2e-2 of the largest entry / of the norm is that bound with room, far below what a
-# missing clip factor or a wrong example would change (factors here go down to 0.15).
+# times 2^-9 relative; 2e-2 of the largest entry / of the norm is that bound with room (measured: MLP 5.1e-3,
+# transformer 9.5e-3 of the largest entry; norms 4.1e-3 / 2.3e-3), far below what a missing clip factor or a
+# wrong example would change (factors here go down to 0.16).
 BF16_TOLERANCE = 2e-2
 
 
 @pytest.mark.slow  # the 2-process job this module spawns (about 15 s on 2 cores)
-def test_bfloat16_mixed_precision_clips_in_float32_like_a_float64_loop(job):
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_bfloat16_mixed_precision_clips_in_float32_like_a_float64_loop(job, name):
     settings = worker.MIXED
-    with float64():
-        dataset = fsdp_worker.IndexedData(40)
-    ranks = [r["mixed_precision"] for r in job]
+    ranks = [r["mixed_precision" if name == "mlp" else f"mixed_precision_{name}"] for r in job]
     clipped_any = False
     for step in range(settings["steps"]):
         params = ranks[0]["params"][step]
         union = [index for rank in ranks for index in rank["indices"][step]]
         assert union and len(union) == len(set(union))
-        grads = per_example_grads(params, dataset, union)
+        grads = per_example_grads(name, params, union)
         norms = [math.sqrt(sum(float((g**2).sum()) for g in example)) for example in grads]
         clipped_any |= max(norms) > settings["clip"]
         want = [sum(min(1.0, settings["clip"] / norm) * example[i] for example, norm in zip(grads, norms))
@@ -346,3 +351,16 @@ def test_sharded_mechanism_state_reloads_on_its_rank_only():
     assert torch.equal(step(resumed), want)
     with pytest.raises(ValueError, match="rank 0's; this is rank 1"):
         fresh(1).load_state_dict(saved)
+
+
+def test_secure_mode_mechanism_draws_from_the_os_at_the_stated_std():
+    coefficients = (2.0, 0.5)
+    noise = ShardMechanismNoise(BandMFNoise(coefficients, secure_mode=True), noise_multiplier=0.5, max_grad_norm=2.0,
+                                rank=1)  # fmt: skip
+    assert noise.seed_fingerprint == ("secure mode",) and noise.mechanism.state_dict()["seed"] is None
+    holder = torch.zeros(20000)
+    holder.grad = torch.zeros(20000)
+    noise.add_([holder])
+    # Step 0 adds z_0 / c_0 with z_0 ~ N(0, (sigma C ||c||)^2): std sigma C ||c|| / c_0 per entry.
+    want = 0.5 * 2.0 * float(np.linalg.norm(coefficients)) / coefficients[0]
+    assert abs(float(holder.grad.std()) / want - 1) < 4 / (2 * 20000) ** 0.5

@@ -281,7 +281,6 @@ def test_copies_and_pickles_continue_the_stream():
     assert all(torch.equal(_steps(other, 1, shapes)[0], expected) for other in copies)
 
 
-
 def test_the_one_chunk_form_for_other_devices_is_keyed_by_key_and_step():
     # The form used on non-CPU devices (one generator per step, seeded with 64 Philox bits), run here on CPU
     # tensors: there is no accelerator in the test environment.

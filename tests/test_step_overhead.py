@@ -10,7 +10,9 @@ parameter tied between modules, frozen parameters, parameters assigned after con
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,9 @@ from torch import nn
 from accountants import RDPAccountant
 from accountants.history import HistoryEntry
 from privacy_engine.training.parameter_sync import has_foreign_trainable_parameter, parameter_ids
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from workloads import ALL_WORKLOADS, skeleton_of  # the benchmarks folder is not a package
 
 
 def _random_tree(rng: random.Random) -> nn.Module:
@@ -82,3 +87,19 @@ def test_merged_steps_give_the_epsilon_of_one_entry_of_all_steps() -> None:
     recorded.step(noise_multiplier=1.1, sample_rate=0.02, num_steps=25)
     assert len(stepped.history) == 1 and stepped.history[0] == recorded.history[0]
     assert stepped.get_epsilon(delta=1e-5) == recorded.get_epsilon(delta=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_WORKLOADS))
+def test_a_skeleton_has_the_layers_of_its_workload(name: str) -> None:
+    """bench_dp_step's "python overhead" is measured on the skeleton: it must run the same layers, in the
+    same order, with the same parameter tensors, at the same batch size (only the widths differ)."""
+    pytest.importorskip("transformers")
+    workload = ALL_WORKLOADS[name]
+    skeleton = skeleton_of(workload)
+    full_model, small_model = workload.build_model(), skeleton.build_model()
+    assert [type(m) for m in small_model.modules()] == [type(m) for m in full_model.modules()]
+    assert [p.dim() for p in small_model.parameters()] == [p.dim() for p in full_model.parameters()]
+    assert skeleton.batch_size == workload.batch_size
+    inputs, targets = skeleton.make_batch(skeleton.batch_size, torch.Generator().manual_seed(0))
+    loss = skeleton.loss(small_model(inputs), targets)
+    assert loss.dim() == 0 and torch.isfinite(loss)

@@ -7,7 +7,7 @@ transformers probes for torchvision, so it lives in ``.venv/opacus-suite-site`` 
 tests). Each model runs in a fresh process with that folder on ``PYTHONPATH`` (this file run as a script),
 so nothing else in the test session sees torchvision. Its compiled extension does not load with the CPU
 torch build; the two operator schemas torchvision's import registers fake kernels for (``nms``, ``qnms``,
-never called by these models) are defined first, as ``tests/opacus_suite/run.py``'s conftest does.
+never called by these models) are defined first (``tests/torchvision_without_extension.py``, shared with the Opacus suite's conftest).
 
 The reference is the per-example loop: each example alone through a copy of the model, float64.
 
@@ -94,28 +94,6 @@ if __name__ != "__main__":
 
 
 # ---------------------------------------------------------------------------------------- the worker
-def _define_torchvision_operator_schemas():
-    """Import torchvision without its compiled extension (see the module docstring); the library object
-    must stay alive while torchvision is used."""
-    import torch
-
-    try:
-        import torchvision
-
-        return None
-    except RuntimeError as error:
-        if "torchvision::nms" not in str(error):
-            raise
-    for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
-        del sys.modules[name]
-    library = torch.library.Library("torchvision", "DEF")
-    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import torchvision  # noqa: F401
-
-    return library
-
-
 def _without_randomness(model):
     import torch
 
@@ -227,7 +205,9 @@ def main(names: list[str]) -> dict:
     """Every model in ``names``, and the refusals of resnet18 without ``fix_module``."""
     import torch
 
-    library = _define_torchvision_operator_schemas()  # noqa: F841  (kept alive while torchvision runs)
+    from torchvision_without_extension import import_torchvision_without_extension
+
+    library = import_torchvision_without_extension()  # noqa: F841  (kept alive while torchvision runs)
     import torchvision
 
     from privacy_engine import GhostClippingModule, GradSampleModule, PerSampleGradientClipper

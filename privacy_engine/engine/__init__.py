@@ -25,6 +25,8 @@ The modules, in the order of a ``make_private`` call:
 - ``build``: the private optimizer, then the wrapped model (``make_private`` returns
   ``(module, optimizer, data_loader)`` in every mode), then ``connect``: ``connect_private`` ties that
   one wrapper, optimizer and loader together (the one function that does; hand-built pipelines call it);
+  ``sharded`` instead for a ``fully_shard`` (FSDP2) model: ghost clipping on the shards, the model itself
+  returned with ``training.fsdp_private.FSDPPrivateOptimizer``;
 - ``privacy_engine``: ``PrivacyEngine``, which runs the three and keeps the ledger (``ledger``,
   ``budget``); ``checkpoint`` saves and restores a run.
 """

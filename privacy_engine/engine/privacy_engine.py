@@ -23,10 +23,12 @@ from privacy_engine.auditing.report import AuditReport, audit_report
 from privacy_engine.engine import checkpoint, sharded
 from privacy_engine.engine.budget import PrivacyBudget, step_kwargs_of
 from privacy_engine.engine.build import private_optimizer, wrap_model
+from privacy_engine.engine.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from privacy_engine.engine.noise_plan import NoisePlan
 from privacy_engine.engine.options import model_and_loader, options_from, resolve_accountant, takes_settings
 from privacy_engine.engine.plan import Plan, make_plan
 from privacy_engine.engine.typed_settings import MakePrivateSettings, MakePrivateWithEpsilonSettings
+from privacy_engine.training.fsdp_private import FSDPPrivateOptimizer
 from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = ["PrivacyEngine"]
@@ -45,6 +47,14 @@ def _refuse_criterion(entry_point: str, settings: Mapping[str, Any]) -> None:
             f"{entry_point}() takes no criterion: PrivacyEngine returns (module, optimizer, data_loader) in every "
             f"grad_sample_mode, ghost included, and your loss function works unchanged; use it as it is."
         )
+
+
+def _refuse_extras(entry_point: str, **extras: Any) -> None:
+    """TypeError naming the first of ``extras`` given: a sharded checkpoint holds none of them."""
+    given = [name for name, value in extras.items() if value is not None]
+    if given:
+        raise TypeError(f"{entry_point}() of a fully_shard run takes no {given[0]}: a sharded checkpoint holds the "
+                        "model, the optimizer, the ledger, the noise and the sampling state only")  # fmt: skip
 
 
 class PrivacyEngine:
@@ -125,6 +135,10 @@ class PrivacyEngine:
         the private loader (a ``DPDataLoader``; with ``poisson_sampling=False``, the loader given).
         Ghost mode needs no special criterion: compute the loss as usual (unlike Opacus, whose ghost
         mode returns ``(module, optimizer, criterion, data_loader)`` with a wrapped criterion).
+
+        A model sharded with FSDP2 (``fully_shard``), called on every rank: ghost mode ("auto" becomes it), the
+        model itself returned, hooked, with an ``FSDPPrivateOptimizer`` and the distributed Poisson loader; the
+        same loop and the same event as one process (``engine.sharded``, which lists what it refuses).
 
         Guarantee: every argument is checked before anything is wrapped; on any error the model,
         optimizer and loader are left exactly as they were. After the call, each
@@ -394,7 +408,17 @@ class PrivacyEngine:
         checkpoint_dict holds a non-plain value    TypeError naming it
         checkpoint_dict uses a reserved key        ValueError naming it
         =========================================  =========================================
+
+        A run on a ``fully_shard`` model (its optimizer an ``FSDPPrivateOptimizer``) is saved as the folder
+        ``path`` by every rank (``checkpoint.sharded.save_sharded_checkpoint``: DCP for the shards; schedulers and
+        ``checkpoint_dict`` are refused there).
         """
+        if isinstance(optimizer, FSDPPrivateOptimizer):
+            _refuse_extras("save_checkpoint", noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+                           checkpoint_dict=checkpoint_dict, module_state_dict_kwargs=module_state_dict_kwargs,
+                           torch_save_kwargs=torch_save_kwargs)  # fmt: skip
+            save_sharded_checkpoint(self, path, module=module, optimizer=optimizer, data_loader=data_loader)
+            return
         payload = checkpoint.build_checkpoint(
             self, module=module, optimizer=optimizer, data_loader=data_loader, noise_scheduler=noise_scheduler,
             grad_clip_scheduler=grad_clip_scheduler, checkpoint_dict=checkpoint_dict,
@@ -432,6 +456,12 @@ class PrivacyEngine:
         ``torch_load_kwargs`` may set ``map_location`` only (default CPU; the restore puts every
         tensor on its parameter's device); ``weights_only`` is always True.
         """
+        if isinstance(optimizer, FSDPPrivateOptimizer):
+            # A fully_shard run: the folder save_checkpoint wrote (checkpoint.sharded), every rank.
+            _refuse_extras("load_checkpoint", noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler,
+                           module_load_dict_kwargs=module_load_dict_kwargs, torch_load_kwargs=torch_load_kwargs)  # fmt: skip
+            load_sharded_checkpoint(self, path, module=module, optimizer=optimizer, data_loader=data_loader)
+            return {}
         load_kwargs = dict(torch_load_kwargs or {})
         if load_kwargs.pop("weights_only", True) is not True:
             raise ValueError("load_checkpoint always unpickles with weights_only=True; a checkpoint never needs more")

@@ -7,7 +7,11 @@ The plan is the ordinary one (``engine.plan.make_plan``): ``training.distributed
 or calibrated as for one process, and the ranks compare their settings (``distributed.agree``). Only
 the build differs: instead of hooking the model and wrapping the optimizer in a ``DPOptimizer``, the
 engine builds ``training.fsdp_private.FSDPPrivateOptimizer`` (ghost clipping in two FSDP backward passes,
-each rank noising its own shard from its own stream) and returns the model itself, hooked.
+each rank noising its own shard from its own stream) and returns the model itself, hooked. BandMF and BLT
+(``noise_mechanism="bandmf"``, ``"blt"``, or ``"auto"`` choosing one) are planned exactly as for one process
+(``engine.bands``, ``engine.mechanism_choice``: the same strategy, calibration and cyclic groups, the loader
+being the DDP one with ``num_groups``); the mechanism the plan builds runs on each rank's shards
+(``training.fsdp_noise.ShardMechanismNoise``).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accountants import Accountant
-from accountants.events import EventSpec
 from privacy_engine.engine.budget import PrivacyBudget
 from privacy_engine.engine.ledger import ledger_for
 from privacy_engine.engine.options import PrivacyOptions
 from privacy_engine.engine.plan import Plan
+from privacy_engine.noise.mechanism import NoiseMechanism
 from privacy_engine.training import distributed
 from privacy_engine.training.fsdp import ShardNoise, fsdp_problem, is_fsdp2
+from privacy_engine.training.fsdp_noise import ShardMechanismNoise
 from privacy_engine.training.fsdp_private import FSDPPrivateOptimizer
 
 __all__ = ["fsdp_options", "is_fsdp2", "private_fsdp_optimizer"]
@@ -37,14 +42,12 @@ logger = logging.getLogger(__name__)
 #: The settings a sharded run accepts with other values than their defaults (every other one is refused).
 _ACCEPTED = frozenset({
     "max_grad_norm", "noise_multiplier", "target_epsilon", "target_delta", "epochs", "max_epsilon",
-    "loss_reduction", "noise_seed", "noise_generator", "grad_sample_mode",
+    "loss_reduction", "noise_seed", "noise_generator", "grad_sample_mode", "noise_mechanism", "num_bands",
+    "total_steps", "num_buffers", "bandmf_coefficients",
 })  # fmt: skip
 
 #: Why a setting is refused under FSDP, where a reason helps more than "not supported".
 _WHY = {
-    "noise_mechanism": "only DP-SGD's Gaussian noise is drawn per shard so far (BandMF/BLT keep a history per "
-                       "coordinate, not yet sharded)",
-    "num_bands": "BandMF is not available under FSDP yet",
     "clipping": "per-layer clipping needs per-layer norms across the shards; use clipping='flat'",
     "poisson_sampling": "the ranks must Poisson-sample disjoint shards of the dataset at the global rate",
     "max_batch_size": "truncated sampling is not wired for FSDP",
@@ -65,9 +68,13 @@ def fsdp_options(options: PrivacyOptions, model: nn.Module) -> PrivacyOptions:
     ==========================================  ==============================================
     "hooks", "functorch", "ew", "no_op"         NotImplementedError: use grad_sample_mode="ghost"
     "auto" / "ghost"                            "ghost"
-    any other setting not at its default        NotImplementedError naming it (BandMF, BLT,
-    except sigma, C, the target and budget,     per-layer or adaptive clipping, canaries,
-    epochs, loss_reduction, the noise seed      user-level DP, truncation, grad_scaler, ...)
+    noise_mechanism "gaussian", "bandmf",       accepted (the plan picks and builds it; each
+    "blt", "auto"; num_bands, total_steps,      rank runs it on its shard, cyclic sampling)
+    num_buffers, bandmf_coefficients
+    noise_mechanism=``BandMFNoise(...)`` etc.   NotImplementedError: pass the mechanism's name
+    any other setting not at its default        NotImplementedError naming it (per-layer or
+    except sigma, C, the target and budget,     adaptive clipping, canaries, user-level DP,
+    epochs, loss_reduction, the noise seed      truncation, grad_scaler, ...)
     ==========================================  ==============================================
     """
     if options.grad_sample_mode not in ("auto", "ghost"):
@@ -83,6 +90,12 @@ def fsdp_options(options: PrivacyOptions, model: nn.Module) -> PrivacyOptions:
             continue
         why = _WHY.get(name, "not supported with a fully_shard model yet")
         raise NotImplementedError(f"{name}={value!r} with a model sharded by fully_shard (FSDP2): {why}")
+    if isinstance(options.noise_mechanism, NoiseMechanism):
+        raise NotImplementedError(
+            f"noise_mechanism={type(options.noise_mechanism).__name__}(...) with a model sharded by fully_shard "
+            "(FSDP2): a mechanism object would be one stream shared by the ranks; pass its name "
+            "(noise_mechanism='gaussian', 'bandmf', 'blt' or 'auto'), which each rank builds on its own shard"
+        )
     if not isinstance(options.max_grad_norm, (int, float)):
         raise NotImplementedError("max_grad_norm must be one number with a fully_shard model (flat clipping)")
     if options.grad_sample_mode == "auto":
@@ -107,18 +120,29 @@ def private_fsdp_optimizer(plan: Plan, optimizer: Optimizer, *, accountant: Acco
                            budget: PrivacyBudget | None, source: str) -> FSDPPrivateOptimizer:  # fmt: skip
     """The private optimizer of a sharded ``plan`` (collective: the ranks compare their plans first, then
     their step settings; a difference raises ``DistributedSettingsError`` on every rank before anything is
-    hooked). The noise: ``ShardNoise`` seeded from ``noise_seed`` (``noise_generator``: one draw from it; none:
-    one draw from torch's global generator; secure mode: the OS), each rank its own stream."""
+    hooked). The noise: DP-SGD: ``ShardNoise``; BandMF/BLT: the plan's mechanism (the one a single process
+    would build) run per shard by ``ShardMechanismNoise``, with the loader's cyclic groups and the mechanism's
+    own event. The run seed is ``noise_seed`` (``noise_generator``: one draw from it; none: one draw from
+    torch's global generator; secure mode: the OS), each rank its own stream derived from it."""
     _check_mesh(plan)
     distributed.agree(plan, accountant=accountant, secure_mode=secure_mode)
     options, noise_plan = plan.options, plan.noise_plan
-    seed = options.noise_seed
-    if options.noise_generator is not None:
-        seed = int(torch.randint(0, 2**62, (1,), generator=options.noise_generator).item())
-    noise = ShardNoise(noise_multiplier=noise_plan.noise_multiplier, max_grad_norm=float(options.max_grad_norm),
-                       seed=seed, secure_mode=secure_mode, rank=plan.distributed.rank)  # fmt: skip
+    sigma, max_grad_norm, rank = noise_plan.noise_multiplier, float(options.max_grad_norm), plan.distributed.rank
+    noise: ShardNoise | ShardMechanismNoise
+    if noise_plan.mechanism == "gaussian":
+        seed = options.noise_seed
+        if options.noise_generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=options.noise_generator).item())
+        noise = ShardNoise(noise_multiplier=sigma, max_grad_norm=max_grad_norm, seed=seed, secure_mode=secure_mode,
+                           rank=rank)  # fmt: skip
+    else:
+        # Built by the plan as for one process: seeded with noise_seed (or one draw of noise_generator), which
+        # is then the run seed each rank's stream is derived from.
+        mechanism = plan.make_noise()
+        noise = ShardMechanismNoise(mechanism, noise_multiplier=sigma, max_grad_norm=max_grad_norm,
+                                    seed=mechanism.state_dict()["seed"], rank=rank)  # fmt: skip
     return FSDPPrivateOptimizer(
         optimizer, model=plan.model, noise=noise, data_loader=plan.private_loader,
         accountant=ledger_for(accountant, noise_plan), budget=budget, loss_reduction=options.loss_reduction,
-        source=source, privacy_event=EventSpec(),  # DP-SGD's event, as GaussianNoise states it
+        source=source, privacy_event=noise.privacy_event(),
     )  # fmt: skip

@@ -7,7 +7,8 @@ thread count) and gives every chunk of every step its own generator, so the chun
 
 How a chunk's generator is made. A Philox4x64-10 counter-based generator (numpy's ``Philox``) keyed by
 the run's 128-bit key produces, at counter ``(block, step, 0, 0)``, the 624 32-bit words of chunk
-``c``'s MT19937 state (blocks ``78 c`` to ``78 c + 77``); torch's ``normal_`` then draws the chunk from that
+``c``'s MT19937 state (blocks ``78 c + 1`` to ``78 c + 78``: numpy's Philox steps its counter before each
+block), low 32 bits of each 64-bit output first; torch's ``normal_`` then draws the chunk from that
 state. Every (key, step, chunk) thus has its own full 19937-bit MT state, a different Philox counter
 block for each (no two chunks, steps or keys share a Philox output), and the chunk is drawn by torch's
 own Gaussian sampler (same speed per value as the serial stream). ``manual_seed`` is not used: on CPU
@@ -56,8 +57,9 @@ STREAM_COUNTER = "counter-v1"  # this module
 NOISE_STREAMS = (STREAM_MT, STREAM_COUNTER)
 
 # Entries per chunk: part of the stream's definition (never depends on threads). 2**17 (512 KiB of float32):
-# the per-chunk cost (its MT state, ~10 us) stays near 2% of its draw (~0.45 ms), and a 0.7M-parameter model
-# still has 6 chunks to share between threads.
+# the per-chunk cost (its MT state, slicing, the pool: ~20 us measured) stays a few per cent of its draw
+# (~0.45 ms), and a 0.7M-parameter model still has 6 chunks to share between threads (2**18: ~2% faster at
+# 1 thread, 3 chunks).
 CHUNK_NUMEL = 1 << 17
 _BLOCKS_PER_CHUNK = _MT_WORDS // 8  # Philox4x64 blocks (4 x 64 bits) per 624 32-bit MT words: 78
 _KEY_TAG = 0x636F756E74  # separates this stream's keys from every other SeedSequence use of the seed
@@ -150,8 +152,7 @@ def _chunk_states(words: np.ndarray, chunks: int) -> np.ndarray:
 
 
 _pool_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_key: tuple[int, int] | None = None  # (pid, workers)
+_pools: dict[tuple[int, int], concurrent.futures.ThreadPoolExecutor] = {}  # (pid, workers) -> pool
 
 
 def drawing_threads() -> int:
@@ -160,15 +161,15 @@ def drawing_threads() -> int:
 
 
 def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    global _pool, _pool_key
     with _pool_lock:
-        # A forked child inherits the pool object, not its threads: make a new one there.
-        if _pool is None or _pool_key != (os.getpid(), workers):
-            _pool = concurrent.futures.ThreadPoolExecutor(
+        # One pool per size, kept (a thread count switched back and forth reuses them). A forked child inherits
+        # the pool objects, not their threads: it makes its own, under its own pid.
+        key = (os.getpid(), workers)
+        if key not in _pools:
+            _pools[key] = concurrent.futures.ThreadPoolExecutor(
                 max_workers=workers, thread_name_prefix="privacy-engine-chunks"
             )
-            _pool_key = (os.getpid(), workers)
-        return _pool
+        return _pools[key]
 
 
 def draw_counter_noise(

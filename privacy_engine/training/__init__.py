@@ -23,7 +23,9 @@ Where things are:
 * ``distributed_noise.py``: ``RankZeroNoise``, the noise of a global step (drawn on rank 0, then reduced).
 * ``distributed_sampling.py``: each rank's part of one global (cyclic) Poisson sample.
 * ``fsdp.py``: FSDP2 (``fully_shard``) models: ghost clipping in two backward passes, the clipped sum
-  reduce-scattered by FSDP, noise on each rank's shard (built by hand; ``make_private`` refuses FSDP).
+  reduce-scattered by FSDP, noise on each rank's shard (``make_private`` builds them; usable by hand).
+* ``fsdp_private.py``: ``FSDPPrivateOptimizer``, what ``make_private`` returns for a ``fully_shard`` model, so
+  that the loop is the ordinary one (per-example losses recovered from the model's outputs).
 * ``fsdp_noise.py``: ``ShardMechanismNoise``, correlated noise (BandMF, BLT) run on each rank's shard.
 * ``rewrap.py``: a private loader given to ``make_private`` again, turned back into the plain loader it stands for.
 """

@@ -210,7 +210,7 @@ class FSDPGhostClipping:
     ``losses`` not 1-D / not one per example     ValueError in ``backward``, before any gradient
     bfloat16 compute (FSDP ``param_dtype``)      supported: norms and factors in float32/64 (below)
     float16 ``param_dtype``, 16-bit              NotImplementedError at construction
-    ``reduce_dtype`` or 16-bit stored parameters
+    ``reduce_dtype`` or 16-bit parameters
     float16 outputs or losses (autocast)         NotImplementedError in ``backward``, before any gradient
     norm NaN/Inf                                 factor 0: the example contributes nothing
     ``C = 0`` / ``C = inf``                      all factors 0 / no clipping (``clip_factors``)

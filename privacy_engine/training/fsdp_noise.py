@@ -67,7 +67,8 @@ class ShardMechanismNoise:
     case                                         result
     ===========================================  ===============================================
     mechanism not a ``NoiseMechanism``           TypeError
-    mechanism built with a seed                  ValueError (pass the run seed here instead)
+    mechanism built with a seed (not ``seed``)   ValueError (pass the run seed here instead)
+    mechanism built with ``seed`` itself         reseeded per rank from it, as an unseeded one
     mechanism that already took a step           ValueError (build a fresh one)
     secure-mode mechanism and a ``seed``         ValueError (the OS seeds it)
     noise_multiplier < 0 / NaN / inf, bad C      ValueError
@@ -90,7 +91,8 @@ class ShardMechanismNoise:
         if mechanism.step != 0 or state["devices"]:
             raise ValueError(f"mechanism has already taken {mechanism.step} step(s): build a fresh mechanism for "
                              "ShardMechanismNoise (its history is laid out over this rank's shards)")  # fmt: skip
-        if state["seed"] is not None:
+        if state["seed"] is not None and (seed is None or int(state["seed"]) != int(seed)):
+            # A seed of its own would be every rank's stream; the run seed (the same value) is derived per rank.
             raise ValueError(
                 "the mechanism was built with a seed, which every rank would share: build it without one and pass "
                 "the run seed to ShardMechanismNoise(seed=...), which derives a distinct stream for each rank"
@@ -134,15 +136,20 @@ class ShardMechanismNoise:
         """This rank's noise state for checkpoints: the rank and the mechanism's ``state_dict`` (its shard's
         history, seed and generator states; secure mode: no seed or generator state). Plain data (loads with
         ``weights_only=True``); it holds past noise of this shard: keep it as secret as the data."""
-        return {"rank": self.rank, "mechanism": self.mechanism.state_dict()}
+        return {"rank": self.rank, "secure_mode": self.secure_mode, "mechanism": self.mechanism.state_dict()}
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """ValueError naming the mismatch unless ``load_state_dict(state)`` would restore it; changes nothing."""
+        if int(state["rank"]) != self.rank:
+            raise ValueError(f"the noise state is rank {state['rank']}'s; this is rank {self.rank}: each rank loads "
+                             "its own shard's stream and history")  # fmt: skip
+        self.mechanism.check_state_dict(state["mechanism"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` saved by the same rank: the next steps add exactly the noise the saved run
         would have added. ValueError, nothing changed, for another rank's state or one the mechanism rejects
         (``NoiseMechanism.load_state_dict``)."""
-        if int(state["rank"]) != self.rank:
-            raise ValueError(f"the noise state is rank {state['rank']}'s; this is rank {self.rank}: each rank loads "
-                             "its own shard's stream and history")  # fmt: skip
+        self.check_state_dict(state)
         self.mechanism.load_state_dict(state["mechanism"])
 
     def add_(self, params: Sequence[torch.Tensor]) -> None:

@@ -24,9 +24,10 @@ need per-example losses, which a scalar loss no longer has):
   to the model is exactly example ``i``'s own gradient, and hands ``s`` to
   ``FSDPGhostClipping.backward``: norms from the first pass, the clipped sum reduce-scattered by
   FSDP in the second.
-- Then ``FSDPPrivateStep``: each rank noises its own shard from its own stream (``ShardNoise``),
+- Then ``FSDPPrivateStep``: each rank noises its own shard from its own stream (``ShardNoise`` for
+  DP-SGD; ``ShardMechanismNoise`` for BandMF/BLT, the mechanism's history kept for the shard only),
   divides by the *global* expected batch size, steps the wrapped optimizer; then the step is recorded
-  in the engine's ledger (rate ``q``, ``sigma``: the single-process DP-SGD event).
+  in the engine's ledger (rate ``q``, ``sigma`` and the noise's own event: the single-process event).
 
 The engine builds it (``privacy_engine.engine.sharded``); see ``FSDPPrivateOptimizer`` for the guarantee
 and the loop's rules.
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from privacy_engine.training.fsdp import FSDPGhostClipping, FSDPPrivateStep, ShardNoise
+from privacy_engine.training.fsdp_noise import ShardMechanismNoise
 
 __all__ = ["FSDPPrivateOptimizer", "OutputCapture"]
 
@@ -180,7 +182,9 @@ def per_example_surrogate(pending: list[tuple[torch.Tensor, torch.Tensor]], *, l
     scale = batch if loss_reduction == "mean" else 1
     surrogate = None
     for output, grad in reached:
-        product = output * (grad.detach() * scale)
+        # At least float32 (bfloat16 outputs under FSDP mixed precision): the scale by b is not rounded to 16 bits.
+        dtype = torch.promote_types(output.dtype, torch.float32)
+        product = output.to(dtype) * (grad.detach().to(dtype) * scale)
         if product.dim() > 1:
             product = product.sum(dim=tuple(range(1, product.dim())))
         surrogate = product if surrogate is None else surrogate + product
@@ -196,8 +200,11 @@ class FSDPPrivateOptimizer:
     ``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)`` over the union of the ranks' batches (one
     Poisson sample of the dataset at rate ``q``), each example's gradient ``g_i`` clipped once by the rank
     holding it, the full parameter vector noised exactly once (each rank its own shard, from its own
-    stream), and records that one DP-SGD step in the engine's ledger: epsilon is the single-process
-    epsilon. A budget (``max_epsilon``) is checked before anything is computed.
+    stream), and records that one step in the engine's ledger as ``privacy_event``: epsilon is the
+    single-process epsilon. With BandMF/BLT (``noise`` a ``ShardMechanismNoise``) the Gaussian term is
+    replaced by row ``t`` of the mechanism's correlated noise over the full vector and the batches are the
+    loader's cyclic groups (step ``t`` samples group ``t mod b`` only), as in one process. A budget
+    (``max_epsilon``) is checked before anything is computed.
 
     ==========================================  ==============================================
     case                                        result
@@ -216,7 +223,7 @@ class FSDPPrivateOptimizer:
     ``torch.distributed.checkpoint``, as ``engine.checkpoint.sharded`` does).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, model: nn.Module, noise: ShardNoise,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, model: nn.Module, noise: ShardNoise | ShardMechanismNoise,
                  data_loader: Any, accountant: Any, budget: Any, loss_reduction: str, source: str = "",
                  privacy_event: Any) -> None:  # fmt: skip
         if loss_reduction not in ("mean", "sum"):
@@ -314,6 +321,9 @@ class FSDPPrivateOptimizer:
         if not self.noise.secure_mode and int(state["noise"]["rank"]) != self.noise.rank:
             raise ValueError(f"the checkpoint's noise state is rank {state['noise']['rank']}'s; this is rank "
                              f"{self.noise.rank}")  # fmt: skip
+        if isinstance(self.noise, ShardMechanismNoise):
+            # BandMF/BLT: the mechanism, its strategy and this shard's history must fit (checked, not loaded).
+            self.noise.check_state_dict(state["noise"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` (checked first: on a mismatch nothing changes)."""

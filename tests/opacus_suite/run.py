@@ -80,32 +80,9 @@ import os
 import sys
 
 
-def _torchvision_without_its_extension():
-    # The only torchvision wheels the registry has are linked against CUDA torch: their _C extension does not
-    # load with the CPU build, and torchvision's own import then fails registering a fake kernel for two ops
-    # that _C would have defined. Defining those two schemas (never called: no detection model runs) lets
-    # the pure-Python parts the suite uses import (models, transforms, FakeData).
-    if importlib.util.find_spec("torchvision") is None:
-        return None
-    try:
-        import torchvision  # noqa: F401
-        return None
-    except RuntimeError as error:
-        if "torchvision::nms" not in str(error):
-            raise
-    for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
-        del sys.modules[name]
-    import torch
+{torchvision_shim}
 
-    library = torch.library.Library("torchvision", "DEF")
-    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import torchvision  # noqa: F401
-
-    return library
-
-
-_TORCHVISION_OPS = _torchvision_without_its_extension()
+_TORCHVISION_OPS = import_torchvision_without_extension()
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -252,7 +229,9 @@ def copy_suite(destination: Path) -> Path:
     shutil.copytree(opacus_tests_folder(), package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for path in package.rglob("*.py"):
         path.write_text(rewrite_imports(path.read_text()))
-    (destination / "conftest.py").write_text(_CONFTEST.format(examples=HYPOTHESIS_EXAMPLES, package=PACKAGE))
+    shim = (HERE.parent / "torchvision_without_extension.py").read_text()
+    (destination / "conftest.py").write_text(
+        _CONFTEST.format(examples=HYPOTHESIS_EXAMPLES, package=PACKAGE, torchvision_shim=shim))
     (destination / "pytest.ini").write_text(_PYTEST_INI)
     return package
 

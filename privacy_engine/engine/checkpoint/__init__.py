@@ -4,7 +4,8 @@ written, that detect damage, and that restore everything or nothing.
 ``PrivacyEngine.save_checkpoint`` / ``load_checkpoint`` delegate here. Modules, in the order of a
 save and a load: ``plain`` (what may be saved), ``contents`` (what is saved, under which keys),
 ``file`` (the format: atomic write, verified read), ``checks`` and ``engine_state`` (does it fit
-the run it is loaded into?), ``restore`` (all or nothing).
+the run it is loaded into?), ``restore`` (all or nothing). A run ``make_private`` built for a ``fully_shard``
+model is saved as a folder instead (``sharded``: DCP for the shards, this format for each rank's engine state).
 
 File format (version 1)::
 

@@ -6,7 +6,8 @@ A checkpoint is a folder::
 
     PATH/sharded/      DCP's files (every rank writes its shards; rank 0 the metadata)
     PATH/rank{r}.pt    rank r's engine state (``file.write_checkpoint``): the ledger, secure mode and
-                       noise plan (equal on every rank), this rank's noise stream and step counter,
+                       noise plan (equal on every rank), this rank's noise stream (BandMF/BLT: with
+                       the history of its shard) and step counter,
                        this rank's sampling state (seed, next step)
 
 Save and load are collective (every rank calls them with the same ``path``). What a load restores is
@@ -14,7 +15,8 @@ what a run without the interruption would have had after the same step: the para
 moments, each rank's noise stream and sampler position and the ledger, so the run goes on with the same
 batches, the same noise and the same epsilon (secure mode: fresh OS randomness instead, as for one
 process). Loading never runs code from the folder: the rank files are verified (SHA-256) and unpickled
-with ``weights_only=True``, DCP's tensors are read with ``weights_only=True`` too, and DCP's metadata file
+with ``weights_only=True``, DCP's tensors are read with ``weights_only=True`` too, its non-tensor items are
+checked with ``weights_only=True`` before DCP unpickles them (``_SafeLoadPlanner``), and DCP's metadata file
 (a pickle in DCP's format) is unpickled by ``_MetadataUnpickler``, which builds only DCP's metadata
 classes, torch sizes and dtypes and plain containers, and refuses every other global.
 """
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -76,6 +79,21 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with every non-tensor item (DCP stores them as pickles and loads them with
+    ``torch.load(weights_only=False)``) first read with ``weights_only=True``: a pickle naming anything but
+    plain data is refused before DCP unpickles it."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(f"the sharded checkpoint's item {read_item.dest_index.fqn!r} is not plain data: "
+                                  f"refused ({error})") from error  # fmt: skip
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
 def _check_objects(optimizer: Any, data_loader: Any) -> tuple[FSDPPrivateOptimizer, DistributedDPDataLoader]:
     if not isinstance(optimizer, FSDPPrivateOptimizer):
         raise TypeError("optimizer must be the optimizer make_private returned for the fully_shard model "
@@ -95,13 +113,13 @@ def save_sharded_checkpoint(engine: Any, path: Any, *, module: torch.nn.Module, 
     previous folder is first renamed ``PATH.previous`` and removed after the rename; a kill between the
     two renames leaves it there (load it by that name).
 
-    =========================================  =========================================
-    case                                       result (nothing written)
-    =========================================  =========================================
+    ==========================================  =========================================
+    case                                        result (nothing written)
+    ==========================================  =========================================
     optimizer / data_loader not make_private's  TypeError
     the folder above ``path`` does not exist    FileNotFoundError naming it
     a rank fails or stalls                      the others raise ``DistributedStepError``
-    =========================================  =========================================
+    ==========================================  =========================================
     """
     optimizer, data_loader = _check_objects(optimizer, data_loader)
     job = data_loader.distributed_job
@@ -168,7 +186,7 @@ def load_sharded_checkpoint(engine: Any, path: Any, *, module: torch.nn.Module, 
         raise CheckpointError(f"checkpoint {name!r} does not fit this run: {error}") from error
     model_state, optimizer_state = get_state_dict(module, optimizer.original_optimizer)
     loaded = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(loaded, storage_reader=_SafeReader(folder / "sharded"))
+    dcp.load(loaded, storage_reader=_SafeReader(folder / "sharded"), planner=_SafeLoadPlanner())
     set_state_dict(module, optimizer.original_optimizer, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optimizer"])  # fmt: skip
     engine.load_state_dict(state["engine"], optimizer=optimizer)

@@ -80,6 +80,8 @@ class _OpacusInterface:
         a released step                             one step (noise_multiplier, sample_rate)
         a skipped micro-batch step                  nothing (the hook is not called)
         k loader batches accumulated in one step    one release of k draws (batches_per_step)
+        k fixed-size batches in one step            one draw at k * sample_rate (as the engine
+        (``poisson_sampling=False``)                and Opacus record it)
         optimizer already records here              nothing more (warned once)
         ==========================================  =========================================
         """
@@ -93,6 +95,12 @@ class _OpacusInterface:
                     warnings.warn("this optimizer already records its steps with this accountant; the hook adds nothing")
                 return
             batches = int(getattr(optimizer, "accumulated_iterations", 1))
+            disjoint = getattr(optimizer, "_released_disjoint_batches", None)
+            if batches > 1 and disjoint is not None and disjoint():
+                # Fixed-size batches of one pass over the data, each example in at most one: one draw at their
+                # summed rate, the engine's record of the same release (and Opacus's).
+                self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=min(1.0, sample_rate * batches))
+                return
             extra = {"batches_per_step": batches} if batches > 1 else {}
             self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate, **extra)
 

@@ -227,16 +227,18 @@ class _GradSampleListPerPass:
     def forward(self, *args: Any, **kwargs: Any):
         """The wrapper's forward; used on its own, it first sets the earlier forwards' per-sample gradients
         aside, so that this forward's backward passes fill ``grad_sample`` afresh (see the class docstring)."""
-        trainable = [p for p in self._module.parameters() if p.requires_grad]
         if not self._standalone_pass():
-            if self.bound_optimizer is not None and any(isinstance(getattr(p, "grad_sample", None), list) for p in trainable):
+            # Lists exist only while earlier passes are set aside (clear_grad_sample empties both).
+            if self.bound_optimizer is not None and any(
+                isinstance(getattr(p, "grad_sample", None), list) for p in self.__dict__.get("_earlier_passes", ())
+            ):
                 raise RuntimeError(
                     "grad_sample holds the per-sample gradients of several backward passes run before this wrapper "
                     "was connected to an optimizer; call zero_grad() before training with it"
                 )
             return super().forward(*args, **kwargs)
         earlier = {}
-        for param in trainable:
+        for param in (p for p in self._module.parameters() if p.requires_grad):
             held = getattr(param, "grad_sample", None)
             if held is not None:
                 earlier[param] = list(held) if isinstance(held, list) else [held]
@@ -318,8 +320,11 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, _FastClippingHooksS
     own, without an optimizer, the wrapper clips at ``max_grad_norm``: after ``backward()`` each
     parameter's ``.grad`` holds the sum over the examples of their gradients clipped to
     ``max_grad_norm`` in total L2 norm (Opacus's result; no noise: nothing is private yet), and
-    ``last_per_sample_norms`` their unclipped norms. A training forward without a clipper and
-    without ``max_grad_norm`` raises ``RuntimeError``. ``use_ghost_clipping`` is accepted for Opacus's
+    ``last_per_sample_norms`` their unclipped norms. A ``DPOptimizer`` of this namespace built over its
+    parameters before its first training forward (Opacus's hand-built pipeline) is connected to it, and
+    its clipper (at the optimizer's ``max_grad_norm``, the bound the noise is calibrated to) is used
+    instead. A training forward without a clipper and without ``max_grad_norm`` raises ``RuntimeError``.
+    ``p.grad_sample`` is None on every trainable parameter (Opacus's attribute; nothing is materialised). ``use_ghost_clipping`` is accepted for Opacus's
     scripts (the engine chooses per layer). ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` (Opacus's class
     attributes) are live views of the engine's table.
     """

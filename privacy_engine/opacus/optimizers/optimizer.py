@@ -223,6 +223,7 @@ class DPOptimizer(_DPOptimizer):
         # What the engine records for the step being released, kept for accumulated_iterations (step hooks
         # run after the release, when the step's contributions are already consumed).
         recorded = super()._accounting_kwargs(*args, **kwargs)
+        self._last_recorded = recorded  # the engine completes it for fixed-size batches (their summed rate)
         # Loader batches in this release, for Opacus's accountant hook: the draws the engine records, or the
         # backward passes over distinct batches if more (k fixed-size batches are recorded as one draw at k
         # times the rate, which a hook given the loader's rate would under-count as one batch).
@@ -253,14 +254,20 @@ class DPOptimizer(_DPOptimizer):
         keeps no per-sample gradients and is not counted here). Otherwise, and inside ``step()`` (read by
         Opacus's accountant hook), the loader batches of the last release: the draws the engine recorded
         (``batches_per_step``), or its backward passes over distinct batches if more (``poisson_sampling=False``:
-        k fixed-size batches are recorded by the engine as one draw at k times the rate; the hook, given one
-        batch's rate, then records k draws of that rate in one release, where Opacus's hook records one draw at
-        k times the rate; without this it would record a single batch's rate); 1 for a plain step."""
+        k fixed-size batches, which the engine records as one draw at k times the rate, and so does the hook,
+        see ``_released_disjoint_batches``); 1 for a plain step."""
         if not self.__dict__.get("_stepping", False):
             waiting = self._waiting_passes()
             if waiting:
                 return waiting
         return int(self.__dict__.get("_released_batches", 1))
+
+    def _released_disjoint_batches(self) -> bool:
+        """Whether the last release held several fixed-size batches of the loader (``poisson_sampling=False``),
+        which the engine records as one draw at their summed rate, not as independent Poisson draws (read by
+        Opacus's accountant hook, ``privacy_engine.opacus.accountants``)."""
+        recorded = self.__dict__.get("_last_recorded", {})
+        return self.__dict__.get("_released_batches", 1) > 1 and "batches_per_step" not in recorded
 
     @property
     def grad_samples(self) -> list[torch.Tensor | None]:
