@@ -10,7 +10,8 @@ prefetch) on the serial stream (``"mt19937"``) and on the counter stream (``"cou
 ``torch.randn(out=...)`` of the same size (the floor: torch's own serial draw), at 1M, 10M and 100M
 parameters (``--quick``: 1M, 10M), at 1 and 2 torch threads, all interleaved in each round (the thread
 count switched within the round); ratios are medians over rounds of (time / 1-thread randn of the
-same round).
+same round). The ``draw`` column is the counter stream's draw alone (no add): the counter step's excess over
+it is the add into the tensors.
 
     python benchmarks/bench_noise.py [--quick] [--streams]
 """
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from privacy_engine.noise import BandMFNoise, GaussianNoise
-from privacy_engine.noise.counter_stream import STREAM_COUNTER, STREAM_MT
+from privacy_engine.noise.counter_stream import STREAM_COUNTER, STREAM_MT, draw_counter_noise, stream_key
 
 # A model's parameters are many tensors of mixed sizes; split the total the same way.
 TENSOR_FRACTIONS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.002]
@@ -83,16 +84,19 @@ def baseline_step(total: int, bands: int, device: torch.device):
 
 
 def stream_steps(total: int) -> dict:
-    """The ``--streams`` table's three step functions for ``total`` parameters (CPU, float32)."""
+    """The ``--streams`` table's step functions for ``total`` parameters (CPU, float32): ``draw`` is the counter
+    stream's draw alone (``draw_counter_noise`` into a buffer, no add), so ``counter - draw`` is what adding costs."""
     floor_out = torch.empty(total)
     floor_generator = torch.Generator().manual_seed(0)
     tensors = parameter_tensors(total, torch.device("cpu"))
     serial = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_MT)
     counter = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_COUNTER)
+    draw_out, key = torch.empty(total), stream_key(0, 0)
     return {
         "randn": lambda: torch.randn(total, out=floor_out, generator=floor_generator),
         "serial": lambda: serial.add_noise_(tensors, 1.0, 1.0),
         "counter": lambda: counter.add_noise_(tensors, 1.0, 1.0),
+        "draw": lambda: draw_counter_noise(draw_out, None, [key], 0, 1.0),
     }
 
 
@@ -103,8 +107,8 @@ def stream_table(
     CPU time of all the process's threads (less sensitive to other jobs on a shared machine; at 2 threads
     it is the total work, not the wall time)."""
     header = (
-        f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'counter ms':>11} "
-        f"{'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11}"
+        f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'counter ms':>11} {'draw ms':>8} "
+        f"{'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11} {'draw/r1':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -127,9 +131,9 @@ def stream_table(
             ratios = [statistics.median(a / b for a, b in zip(values, floor_1)) for values in row]
             print(
                 f"{total / 1e6:>6.0f}M {threads:>7} "
-                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11)))
+                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11, 8)))
                 + " "
-                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11))),
+                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11, 8))),
                 flush=True,
             )
 

@@ -35,6 +35,7 @@ max_batch_size, num_groups, ...                                          (bools 
 sample_rate (Poisson sampling)     ``check_sample_rate``                 not a number in (0, 1]
 noise_seed                         ``check_noise_seed``                  not an int >= 0
 noise_generator                    ``check_noise_generator``             not a ``torch.Generator``
+noise_stream                       ``check_noise_stream``                not one of ``NOISE_STREAMS``
 noise_seed / noise_generator with  ``check_no_seed_for_given_noise``     either set (the mechanism is
 a ready noise mechanism                                                  seeded by whoever built it)
 noise_seed / noise_generator in    ``check_unseeded_in_secure_mode``     either set (secure noise is
@@ -67,6 +68,7 @@ __all__ = [
     "CLIPPING_MODES",
     "GRAD_SAMPLE_MODES",
     "LOSS_REDUCTIONS",
+    "NOISE_STREAMS",
     "PRIVACY_UNITS",
     "check_clipbound_learning_rate",
     "check_clipbounds",
@@ -83,6 +85,7 @@ __all__ = [
     "check_noise_multiplier",
     "check_noise_seed",
     "check_noise_std",
+    "check_noise_stream",
     "check_privacy_unit",
     "check_rescale_to_unit_norm",
     "check_sample_rate",
@@ -97,6 +100,9 @@ __all__ = [
 ]
 
 CLIPPING_MODES = ("flat", "per_layer")
+#: The noise streams (``privacy_engine.noise.counter_stream``): the serial Mersenne Twister (the default, and
+#: every checkpoint written before the counter stream) and the counter-keyed stream drawn on several threads.
+NOISE_STREAMS = ("mt19937", "counter-v1")
 #: The engine's adaptive modes (Andrew et al. 2021): flat / per-layer clipping whose bound(s) track a quantile.
 ADAPTIVE_CLIPPING_MODES = ("adaptive", "per_layer_adaptive")
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -351,6 +357,14 @@ def check_noise_seed(noise_seed: Any, *, name: str = "noise_seed") -> int | None
     if isinstance(noise_seed, bool) or not isinstance(noise_seed, numbers.Integral) or noise_seed < 0:
         raise ValueError(f"{name} must be an int >= 0 or None; got {noise_seed!r}")
     return int(noise_seed)
+
+
+def check_noise_stream(noise_stream: Any) -> str:
+    """One of ``NOISE_STREAMS``: which random stream the noise's standard draws come from (the same
+    distribution either way; the seeded numbers differ)."""
+    if not isinstance(noise_stream, str) or noise_stream not in NOISE_STREAMS:
+        raise ValueError(f"noise_stream must be one of {list(NOISE_STREAMS)}, got {noise_stream!r}")
+    return noise_stream
 
 
 def check_no_seed_for_given_noise(noise_seed: Any, noise_generator: Any = None) -> None:

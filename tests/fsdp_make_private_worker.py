@@ -12,10 +12,7 @@ expectation: the test compares against its references.
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -32,8 +29,10 @@ from fsdp_worker import (  # the models, data and per-example losses of the hand
     TokenData,
     decoder_blocks,
     full,
+    join_group,
     lora_decoder,
     mlp,
+    run_scenarios_and_leave,
     sharded,
     sharded_blocks,
     transformer,
@@ -283,14 +282,7 @@ def main() -> None:
                               world_size=world_size)  # fmt: skip
         torch.save({"rank": rank, "rows": rows}, out / f"rank{rank}.pt")
         return
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
-    results: dict = {"rank": rank, "world_size": world_size}
-
-    def save() -> None:
-        torch.save(results, out / f"rank{rank}.pt")
+    results = join_group(rank, world_size, out)
 
     scenarios = {
         "main": [
@@ -334,20 +326,7 @@ def main() -> None:
         "resume": [("wrong_resume", lambda: wrong_resume(out)), ("resumable", lambda: resumable(out, "resume")),
                    ("resumable_bandmf", lambda: resumable(out, "resume", "checkpoint_bandmf", **RESUMABLE_BANDMF))],
     }[phase]  # fmt: skip
-    try:
-        for name, scenario in scenarios:
-            if name == "crashed":
-                save()  # rank 1 leaves in this one
-            results[name] = scenario()
-    except BaseException:  # noqa: BLE001 - written for the test, then the process leaves
-        results["traceback"] = traceback.format_exc()
-        save()
-        sys.stdout.flush()
-        os._exit(1)
-    save()
-    # Rank 1 may be gone: tearing the process group down at exit could abort or wait; every result is written.
-    sys.stdout.flush()
-    os._exit(0)
+    run_scenarios_and_leave(scenarios, results, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,7 @@ holds the expectations and the references. Models, data and helpers are tests/fs
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,7 +22,18 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import IndexedData, TokenData, full, mlp, mlp_losses, sharded, token_losses, transformer
+from fsdp_worker import (
+    IndexedData,
+    TokenData,
+    full,
+    join_group,
+    mlp,
+    mlp_losses,
+    run_scenarios_and_leave,
+    sharded,
+    token_losses,
+    transformer,
+)
 
 from accountants import make_accountant
 from privacy_engine.noise import BandMFNoise, BLTNoise, BLTStrategy
@@ -160,11 +168,7 @@ def refused_precisions() -> dict:
 
 def main() -> None:
     rank, world_size, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
-    results: dict = {"rank": rank, "world_size": world_size}
+    results = join_group(rank, world_size, out)
     scenarios = [
         ("bandmf", bandmf),
         ("blt", blt),
@@ -174,14 +178,7 @@ def main() -> None:
         ("mixed_precision_transformer", lambda: mixed_precision("transformer")),
         ("refused_precisions", refused_precisions),
     ]
-    try:
-        for name, scenario in scenarios:
-            results[name] = scenario()
-    except BaseException:  # noqa: BLE001 - written for the test, then the process leaves
-        results["traceback"] = traceback.format_exc()
-    torch.save(results, out / f"rank{rank}.pt")
-    sys.stdout.flush()
-    os._exit(0 if "traceback" not in results else 1)
+    run_scenarios_and_leave(scenarios, results, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -309,14 +309,7 @@ def crashed(rank: int) -> dict:
 
 def main() -> None:
     rank, world_size, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
-    results: dict = {"rank": rank, "world_size": world_size}
-
-    def save() -> None:
-        torch.save(results, out / f"rank{rank}.pt")
+    results = join_group(rank, world_size, out)
 
     scenarios = [
         ("refusals", refusals),
@@ -336,20 +329,34 @@ def main() -> None:
         ("in_place", in_place),
         ("crashed", lambda: crashed(rank)),
     ]  # fmt: skip
+    run_scenarios_and_leave(scenarios, results, out / f"rank{rank}.pt")
+
+
+def join_group(rank: int, world_size: int, out: Path, timeout_s: float = 20.0) -> dict:
+    """One thread, float64, this rank in the gloo group on the job's file store (``out/store``); returns the
+    results dict every worker fills and writes."""
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    return {"rank": rank, "world_size": world_size}
+
+
+def run_scenarios_and_leave(scenarios, results: dict, path) -> None:
+    """Run each ``(name, scenario)`` in turn into ``results``, written to ``path`` before a scenario named
+    "crashed" (a rank leaves in it), after a failure (with its traceback) and at the end; then leave with
+    ``os._exit`` (0, or 1 after a failure): a process group a peer left or stalled can wait or abort in its
+    teardown at exit, and every result is written by then."""
     try:
         for name, scenario in scenarios:
             if name == "crashed":
-                save()  # rank 1 leaves in this one
+                torch.save(results, path)
             results[name] = scenario()
     except BaseException:  # noqa: BLE001 - written for the test, then the process leaves
         results["traceback"] = traceback.format_exc()
-        save()
-        sys.stdout.flush()
-        os._exit(1)
-    save()
-    # Rank 1 is gone: tearing the process group down at exit could abort or wait; every result is written.
+    torch.save(results, path)
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0 if "traceback" not in results else 1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -295,3 +296,153 @@ def test_the_one_chunk_form_for_other_devices_is_keyed_by_key_and_step():
     assert not torch.equal(draw([key], 3), draw([key], 4))
     assert not torch.equal(draw([key], 3), draw([other], 3))
     assert torch.equal(draw([key, other], 3), draw([key], 3) + draw([other], 3))
+
+
+@pytest.mark.parametrize("stream", [cs.STREAM_MT, COUNTER])
+def test_a_pickled_mechanism_adds_fresh_noise_not_the_last_steps(stream):
+    # pickle copies each view of the noise vector as a tensor of its own: a copy that added through those views
+    # added the previous step's noise a second time. Its next steps must be the original's, and differ from it.
+    mechanism = GaussianNoise(seed=5, noise_stream=stream, prefetch=False)
+    shapes = [(cs.CHUNK_NUMEL + 3,), (4, 5)]
+    last = _steps(mechanism, 2, shapes)[-1]
+    copied = pickle.loads(pickle.dumps(mechanism))
+    expected = _steps(mechanism, 2, shapes)
+    got = _steps(copied, 2, shapes)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch.equal(got[0], last)
+
+
+# ---------------------------------------------------------------------------------------------- through make_private
+# A model whose loss does not depend on its parameters: every clipped sum is exactly 0, so with
+# loss_reduction="sum" the released gradient is exactly the step's noise, replayed by a mechanism built alone.
+_IN, _OUT = 300, 500  # 150,500 parameters: 2 chunks of the counter stream
+SIGMA, BOUND = 1.3, 0.7
+
+
+def _private_run(noise_stream=None, *, seed=11, ddp=False, **settings):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from privacy_engine import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(_IN, _OUT)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    loader = DataLoader(TensorDataset(torch.randn(32, _IN)), batch_size=8)
+    if noise_stream is not None:
+        settings["noise_stream"] = noise_stream
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=SIGMA, max_grad_norm=BOUND, noise_seed=seed, loss_reduction="sum", grad_sample_mode="hooks",
+        **settings,
+    )  # fmt: skip
+    return engine, model, optimizer, loader
+
+
+def _released_steps(run, count):
+    _, model, optimizer, loader = run
+    out = []
+    batches = iter(loader)
+    for _ in range(count):
+        (inputs,) = next(batches)
+        optimizer.zero_grad()
+        (model(inputs) * 0.0).sum().backward()
+        optimizer.step()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def _replayed_steps(stream, count, seed=11):
+    mechanism = GaussianNoise(seed=seed, noise_stream=stream, prefetch=False)
+    out = []
+    for _ in range(count):
+        tensors = [torch.zeros(_OUT, _IN), torch.zeros(_OUT)]
+        mechanism.add_noise_(tensors, SIGMA, BOUND)
+        out.append(torch.cat([t.reshape(-1) for t in tensors]))
+    return out
+
+
+def test_make_private_releases_the_counter_streams_noise():
+    released = _released_steps(_private_run(COUNTER), 2)
+    assert all(torch.equal(a, b) for a, b in zip(released, _replayed_steps(COUNTER, 2)))
+    default = _released_steps(_private_run(), 1)[0]  # the default stays the serial stream
+    assert torch.equal(default, _replayed_steps(cs.STREAM_MT, 1)[0]) and not torch.equal(default, released[0])
+
+
+def test_make_private_on_the_counter_stream_releases_the_same_numbers_at_1_and_2_threads():
+    with _Threads(1):
+        one = _released_steps(_private_run(COUNTER), 2)
+    with _Threads(2):
+        two = _released_steps(_private_run(COUNTER), 2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(one[0], _replayed_steps(COUNTER, 1)[0])
+
+
+# BLT's strategy (~3 s) and the automatic choice (~8 s) are optimised at make_private: slow.
+@pytest.mark.parametrize("mechanism", ["bandmf", pytest.param("blt", marks=pytest.mark.slow),
+                                       pytest.param("auto", marks=pytest.mark.slow)])  # fmt: skip
+def test_every_mechanism_the_engine_builds_takes_the_stream(mechanism):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from privacy_engine import PrivacyEngine
+
+    model = torch.nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, common = PrivacyEngine(), {"max_grad_norm": 1.0, "noise_mechanism": mechanism, "noise_stream": COUNTER}
+    if mechanism == "auto":
+        _, optimizer, _ = engine.make_private_with_epsilon(module=model, optimizer=optimizer, data_loader=loader,
+                                                           target_epsilon=4.0, target_delta=1e-5, epochs=2, **common)
+    else:
+        _, optimizer, _ = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                              noise_multiplier=1.0, num_bands=2, total_steps=8, **common)  # fmt: skip
+    assert optimizer.noise.noise_stream == COUNTER
+
+
+@pytest.mark.parametrize("bad", ["philox", "counter-v2", None, 1])
+def test_make_private_refuses_an_unknown_noise_stream_naming_it(bad):
+    with pytest.raises(ValueError, match="noise_stream"):
+        _private_run(bad if bad is not None else "MT19937")
+
+
+def test_noise_stream_with_a_ready_mechanism_is_refused():
+    with pytest.raises(ValueError, match="noise_stream"):
+        _private_run(COUNTER, seed=None, noise_mechanism=GaussianNoise(seed=3))
+
+
+def test_a_checkpoint_resumes_on_its_own_stream_whatever_the_new_setting(tmp_path, caplog):
+    saved_run = _private_run(COUNTER)
+    _released_steps(saved_run, 2)
+    engine, model, optimizer, loader = saved_run
+    engine.save_checkpoint(path=tmp_path / "run.pt", module=model, optimizer=optimizer, data_loader=loader)
+    resumed = _private_run(seed=99)  # the default stream, another seed: neither is the saved run's
+    with caplog.at_level("WARNING", logger="privacy_engine.noise.state"):
+        resumed[0].load_checkpoint(path=tmp_path / "run.pt", module=resumed[1], optimizer=resumed[2],
+                                   data_loader=resumed[3])  # fmt: skip
+    assert resumed[2].noise.noise_stream == COUNTER
+    assert "continues on its own noise stream 'counter-v1'" in caplog.text
+    released = _released_steps(resumed, 1)[0]
+    assert torch.equal(released, _replayed_steps(COUNTER, 3)[2])
+
+
+def test_a_one_rank_ddp_job_draws_the_counter_stream_on_rank_0(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        run = _private_run(COUNTER, ddp=True)
+        assert type(run[2].noise).__name__ == "RankZeroNoise" and run[2].noise.inner.noise_stream == COUNTER
+        released = _released_steps(run, 2)
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(released, _replayed_steps(COUNTER, 2)))
+
+
+def test_a_sharded_run_refuses_the_counter_stream_saying_why():
+    from privacy_engine.engine.options import PrivacyOptions
+    from privacy_engine.engine.sharded import fsdp_options
+
+    options = PrivacyOptions(noise_multiplier=1.0, max_grad_norm=1.0, noise_stream=COUNTER)
+    with pytest.raises(NotImplementedError, match="noise_stream='counter-v1'.*serial stream"):
+        fsdp_options(options, torch.nn.Linear(2, 2))

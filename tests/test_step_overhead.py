@@ -9,6 +9,7 @@ parameter tied between modules, frozen parameters, parameters assigned after con
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import random
@@ -20,6 +21,8 @@ from torch import nn
 
 from accountants import RDPAccountant
 from accountants.history import HistoryEntry
+from privacy_engine.clipping import PerSampleGradientClipper
+from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.training.parameter_sync import has_foreign_trainable_parameter, parameter_ids
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -103,3 +106,103 @@ def test_a_skeleton_has_the_layers_of_its_workload(name: str) -> None:
     inputs, targets = skeleton.make_batch(skeleton.batch_size, torch.Generator().manual_seed(0))
     loss = skeleton.loss(small_model(inputs), targets)
     assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fast clipping keeps, from one backward pass to the next, the buffer a shared parameter's per-example gradients
+# are summed into (``GhostPasses.buffers``): a fresh CPU tensor of that size costs its page faults every step.
+# The buffer must give the bits of a pass without it, hold zeros between passes, and must not be reused when what
+# it was built for changed.
+
+
+class _ReusedLayer(nn.Module):
+    """One Linear applied ``uses`` times: its weight and bias are shared by the uses (materialised, summed)."""
+
+    def __init__(self, uses: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(5, 5)
+        self.uses = uses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.uses):
+            x = torch.tanh(self.layer(x))
+        return x
+
+
+def _ghost_sums(wrapped, clipper, x: torch.Tensor) -> list[torch.Tensor]:
+    wrapped(x).square().sum().backward()
+    clipper.pre_step()
+    sums = [p.grad.clone() for p in clipper.params]
+    for p in clipper.params:
+        p.grad = None
+    return sums
+
+
+def _fresh_ghost_sums(twin: nn.Module, x: torch.Tensor, max_grad_norm: float) -> list[torch.Tensor]:
+    """The same pass through a new wrapper of a copy of ``twin`` (no buffer kept from an earlier pass)."""
+    model = copy.deepcopy(twin)
+    clipper = PerSampleGradientClipper(list(model.parameters()), max_grad_norm=max_grad_norm)
+    return _ghost_sums(GhostClippingModule(model, clipper=clipper, loss_reduction="sum"), clipper, x)
+
+
+def _clipped_sum_by_loop(model: nn.Module, x: torch.Tensor, max_grad_norm: float) -> list[torch.Tensor]:
+    """sum_i min(1, C / ||g_i||) g_i in float64, one example at a time."""
+    from conftest import per_example_reference
+
+    reference = copy.deepcopy(model).double()
+    per_example = per_example_reference(reference, (x.double(),), lambda out, i: out.square().sum())
+    flat = torch.cat([g.reshape(g.shape[0], -1) for g in per_example.values()], dim=1)
+    factors = (max_grad_norm / flat.norm(dim=1)).clamp(max=1.0)
+    return [torch.tensordot(factors, g, dims=1) for g in per_example.values()]
+
+
+@pytest.mark.parametrize("uses", [2, 3])
+def test_a_kept_buffer_gives_the_bits_of_a_fresh_pass(uses: int) -> None:
+    torch.manual_seed(uses)
+    model = _ReusedLayer(uses)
+    twin = copy.deepcopy(model)  # unwrapped, for fresh passes
+    clipper = PerSampleGradientClipper(list(model.parameters()), max_grad_norm=0.7)
+    wrapped = GhostClippingModule(model, clipper=clipper, loss_reduction="sum")
+    kept = []
+    for step in range(3):
+        x = torch.randn(6, 5)
+        sums = _ghost_sums(wrapped, clipper, x)
+        kept.append(wrapped._passes.buffers.get(model.layer.weight))
+        # Per-example gradients never outlive their pass: the kept memory holds zeros between passes.
+        assert all(not buffer.any() for buffer in wrapped._passes.buffers.values()), f"step {step}"
+        for actual, fresh in zip(sums, _fresh_ghost_sums(twin, x, 0.7), strict=True):
+            assert torch.equal(actual, fresh), f"step {step}"
+        for actual, expected in zip(sums, _clipped_sum_by_loop(twin, x, 0.7), strict=True):
+            torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6)
+    assert kept[0] is not None and kept[1] is kept[0] and kept[2] is kept[0]  # the cache is used
+
+
+def test_a_kept_buffer_is_not_reused_when_its_inputs_changed() -> None:
+    torch.manual_seed(0)
+    model = _ReusedLayer(2)
+    twin = copy.deepcopy(model)  # unwrapped, for fresh passes; changed as the model is
+    clipper = PerSampleGradientClipper(list(model.parameters()), max_grad_norm=0.5)
+    wrapped = GhostClippingModule(model, clipper=clipper, loss_reduction="sum")
+    weight, bias = model.layer.weight, model.layer.bias
+
+    def step_matches_a_fresh_pass(x: torch.Tensor) -> None:
+        for actual, fresh in zip(_ghost_sums(wrapped, clipper, x), _fresh_ghost_sums(twin, x, 0.5), strict=True):
+            assert torch.equal(actual, fresh)
+
+    step_matches_a_fresh_pass(torch.randn(6, 5))
+    first = wrapped._passes.buffers[weight]
+    step_matches_a_fresh_pass(torch.randn(4, 5))  # another batch size: another shape
+    assert wrapped._passes.buffers[weight] is not first and wrapped._passes.buffers[weight].shape[0] == 4
+    model.double()  # the same parameters, now float64
+    twin.double()
+    step_matches_a_fresh_pass(torch.randn(4, 5, dtype=torch.float64))
+    assert wrapped._passes.buffers[weight].dtype == torch.float64
+    bias.requires_grad_(False)  # frozen between steps: no longer used by the pass, its buffer dropped
+    twin.layer.bias.requires_grad_(False)
+    step_matches_a_fresh_pass(torch.randn(4, 5, dtype=torch.float64))
+    assert bias not in wrapped._passes.buffers and weight in wrapped._passes.buffers
+    bias.requires_grad_(True)
+    twin.layer.bias.requires_grad_(True)
+    model.uses = twin.uses = 1  # no longer shared: nothing kept
+    step_matches_a_fresh_pass(torch.randn(4, 5, dtype=torch.float64))
+    assert not wrapped._passes.buffers

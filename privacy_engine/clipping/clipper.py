@@ -388,7 +388,7 @@ class PerSampleGradientClipper:
         padding_mask = self._checked_per_example("padding_mask", padding_mask, norms.shape[0], norms.device)
         for param, total in clipped_sums.items():
             self.group_index(param)
-            if tuple(total.shape) != tuple(param.shape):
+            if total.shape != param.shape:
                 raise ValueError(
                     f"clipped sum of shape {tuple(total.shape)} for a parameter of shape {tuple(param.shape)}"
                 )
@@ -504,7 +504,13 @@ class PerSampleGradientClipper:
         """``owned``: the sums are fresh tensors nobody else holds, so the first one is kept as is."""
         for param, total in clipped_sums.items():
             index = self._index_of[id(param)]
-            total = total.detach().to(dtype=sum_dtype(param.dtype), device=param.device)
+            # detach / to only where they change something (the same tensor values either way): this runs
+            # once per parameter per pass.
+            if total.requires_grad or total._base is not None:
+                total = total.detach()  # kept as the accumulator (``owned``): never a view, never in a graph
+            dtype = sum_dtype(param.dtype)
+            if total.dtype != dtype or total.device != param.device:
+                total = total.to(dtype=dtype, device=param.device)
             previous = self._accumulated.get(index)
             if previous is None:
                 self._accumulated[index] = total if owned else total.clone()

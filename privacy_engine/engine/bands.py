@@ -100,7 +100,8 @@ def plan_bandmf(options: PrivacyOptions, shape: LoaderShape, *, accountant: Acco
     return NoiseChoice(
         mechanism="bandmf", num_bands=num_bands, coefficients=coefficients, total_steps=steps,
         noise_multiplier=options.sigma, candidates=candidates,
-        make_noise=lambda: BandMFNoise(coefficients, seed=seed(), secure_mode=secure_mode),
+        make_noise=lambda: BandMFNoise(coefficients, seed=seed(), secure_mode=secure_mode,
+                                       noise_stream=options.noise_stream),
     )  # fmt: skip
 
 

@@ -83,7 +83,8 @@ def plan_blt(options: PrivacyOptions, shape: LoaderShape, *, seed: Callable[[], 
     return NoiseChoice(
         mechanism="blt", num_bands=min_sep, coefficients=None, total_steps=steps, noise_multiplier=options.sigma,
         stated_event=event, num_buffers=num_buffers,
-        make_noise=lambda: BLTNoise(strategy, min_sep=min_sep, total_steps=steps, seed=seed(), secure_mode=secure_mode),
+        make_noise=lambda: BLTNoise(strategy, min_sep=min_sep, total_steps=steps, seed=seed(), secure_mode=secure_mode,
+                                    noise_stream=options.noise_stream),
     )  # fmt: skip
 
 
@@ -148,7 +149,8 @@ def plan_auto(options: PrivacyOptions, shape: LoaderShape, *, accountant: Accoun
     else:
         choice = NoiseChoice(mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None,
                              noise_multiplier=options.sigma,
-                             make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode))  # fmt: skip
+                             make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode,
+                                                              noise_stream=options.noise_stream))  # fmt: skip
     return dataclasses.replace(choice, mechanism_candidates=table)
 
 

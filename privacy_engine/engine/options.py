@@ -42,6 +42,7 @@ from privacy_engine.settings_checks import (
     check_noise_multiplier,
     check_noise_seed,
     check_noise_std,
+    check_noise_stream,
     check_privacy_unit,
     check_rescale_to_unit_norm,
     check_target_delta,
@@ -144,6 +145,13 @@ class PrivacyOptions:
             ``torch.manual_seed`` makes a run reproducible, as with Opacus; never in secure mode).
         noise_generator: a ``torch.Generator`` that seeds the noise (one draw) and drives Poisson
             sampling (as Opacus's ``noise_generator`` does).
+        noise_stream: the random stream the noise's standard Gaussian draws come from, for every noise
+            mechanism the engine builds (``NoiseMechanism``'s ``noise_stream``): ``"mt19937"`` (the default:
+            torch's serial generator, one core per draw) or ``"counter-v1"`` (``noise.counter_stream``: drawn
+            on ``torch.get_num_threads()`` threads, the same numbers at any thread count). Both are iid
+            Gaussian, so the privacy guarantee and the accounting are the same; only the seeded numbers
+            differ. A checkpoint resumes on the stream it was saved with, whatever this setting says.
+            Refused with a ready ``NoiseMechanism`` (give it its own ``noise_stream``) and under FSDP.
         grad_sample_mode: ``"hooks"`` or ``"functorch"`` (both: exact per-sample gradients, with
             ``torch.func`` for layers without a registered sampler), or ``"ghost"``: fast clipping
             inside the backward pass (``GhostClippingModule``). The engine returns ``(module,
@@ -227,6 +235,7 @@ class PrivacyOptions:
     batch_first: bool = True
     noise_seed: int | None = None
     noise_generator: torch.Generator | None = None
+    noise_stream: str = "mt19937"
     grad_sample_mode: str = "auto"
     noise_mechanism: str | NoiseMechanism = "gaussian"
     num_bands: int | None = None
@@ -347,6 +356,7 @@ class PrivacyOptions:
     def _check_seeding(self) -> None:
         check_noise_seed(self.noise_seed)
         check_noise_generator(self.noise_generator)
+        check_noise_stream(self.noise_stream)
         if self.noise_seed is not None and self.noise_generator is not None:
             raise ValueError("give noise_seed or noise_generator, not both")
 
@@ -374,6 +384,9 @@ class PrivacyOptions:
         mechanism = self.noise_mechanism
         if isinstance(mechanism, NoiseMechanism):
             check_no_seed_for_given_noise(self.noise_seed, self.noise_generator)
+            if self.noise_stream != "mt19937":
+                raise ValueError("noise_stream chooses the stream of the noise the engine builds: pass noise_stream= "
+                                 "to the noise mechanism you build yourself instead")  # fmt: skip
             if self.wants_bandmf and not self.poisson_sampling:
                 raise ValueError("poisson_sampling must be True for a BandMF noise mechanism (cyclic Poisson sampling)")
             return

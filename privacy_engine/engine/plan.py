@@ -348,7 +348,7 @@ def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Ac
     if mechanism == "gaussian":
         return NoiseChoice(
             mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None, noise_multiplier=options.sigma,
-            make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode),
+            make_noise=lambda: GaussianNoise(seed=seed(), secure_mode=secure_mode, noise_stream=options.noise_stream),
         )  # fmt: skip
     if mechanism == "blt":
         return plan_blt(options, shape, seed=seed, secure_mode=secure_mode)

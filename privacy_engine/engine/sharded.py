@@ -56,6 +56,7 @@ _WHY = {
     "grad_scaler": "fp16 loss scaling is not supported under FSDP; shard in float32",
     "batch_first": "the model's outputs and every layer's must hold the batch in dimension 0",
     "nan_safe": "a non-finite norm always gives factor 0 under FSDP (nan_safe=True)",
+    "noise_stream": "each rank's shard noise is drawn on the serial stream; leave noise_stream='mt19937'",
 }
 
 
@@ -144,5 +145,5 @@ def private_fsdp_optimizer(plan: Plan, optimizer: Optimizer, *, accountant: Acco
     return FSDPPrivateOptimizer(
         optimizer, model=plan.model, noise=noise, data_loader=plan.private_loader,
         accountant=ledger_for(accountant, noise_plan), budget=budget, loss_reduction=options.loss_reduction,
-        source=source, privacy_event=noise.privacy_event(),
+        source=source, privacy_event=noise.privacy_event(), job=plan.distributed,
     )  # fmt: skip

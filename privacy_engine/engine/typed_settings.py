@@ -46,6 +46,7 @@ class _OptionalSettings(PerformanceSettings, total=False):
     batch_first: bool
     noise_seed: int | None
     noise_generator: torch.Generator | None
+    noise_stream: str
     noise_mechanism: str | NoiseMechanism
     num_bands: int | None
     bandmf_coefficients: Sequence[float] | None

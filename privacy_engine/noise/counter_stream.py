@@ -32,12 +32,13 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from privacy_engine.noise.secure_random import _MT_WORDS, _MT_WORDS_OFFSET, _check_cpu_layout
+from privacy_engine.settings_checks import NOISE_STREAMS
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -52,9 +53,9 @@ __all__ = [
     "stream_key",
 ]
 
-STREAM_MT = "mt19937"  # one serial torch generator per device (every checkpoint written before the counter stream)
-STREAM_COUNTER = "counter-v1"  # this module
-NOISE_STREAMS = (STREAM_MT, STREAM_COUNTER)
+# STREAM_MT: one serial torch generator per device (every checkpoint written before the counter stream);
+# STREAM_COUNTER: this module. The names are settings_checks' (check_noise_stream refuses any other).
+STREAM_MT, STREAM_COUNTER = NOISE_STREAMS
 
 # Entries per chunk: part of the stream's definition (never depends on threads). 2**17 (512 KiB of float32):
 # the per-chunk cost (its MT state, slicing, the pool: ~20 us measured) stays a few per cent of its draw
@@ -179,7 +180,6 @@ def draw_counter_noise(
     step: int,
     std: float,
     *,
-    after_chunk: Callable[[int, int], None] | None = None,
     threads: int | None = None,
 ) -> None:
     """``out`` (flat, contiguous) <- step ``step``'s iid ``N(0, std^2)`` values of the stream(s) ``keys``.
@@ -188,14 +188,12 @@ def draw_counter_noise(
     threads or the order the chunks are drawn in; chunk ``c`` holds entries ``[c * CHUNK_NUMEL, ...)``.
     One key: one draw per entry. Several keys (secure mode): the sum of one draw per key at
     ``std / sqrt(len(keys))`` (exactly ``N(0, std^2)`` in distribution); ``scratch`` (same shape as ``out``)
-    holds the further draws. ``after_chunk(start, end)``, if given, runs right after a chunk is drawn, on the
-    thread that drew it (to use the chunk while it is in cache); the calls for different chunks may run at
-    the same time.
+    holds the further draws.
 
     ============================  ==================================================
     case                          result
     ============================  ==================================================
-    ``out`` empty                 nothing drawn, ``after_chunk`` not called
+    ``out`` empty                 nothing drawn
     ``step`` < 0                  ValueError
     ``out`` not flat/contiguous   ValueError
     non-CPU ``out``               one chunk, the device's generator seeded with 64
@@ -214,8 +212,6 @@ def draw_counter_noise(
     part_std = std / math.sqrt(len(keys)) if len(keys) > 1 else std
     if out.device.type != "cpu":
         _draw_device(out, scratch, keys, step, part_std)
-        if after_chunk is not None:
-            after_chunk(0, numel)
         return
     bounds = chunk_bounds(numel)
     # Every chunk's MT state for this step, one Philox call per key (2.5 KB of words per chunk).
@@ -235,8 +231,6 @@ def draw_counter_noise(
                 extra = scratch[start:end]
                 extra.normal_(0.0, part_std, generator=generator)
                 piece.add_(extra)
-        if after_chunk is not None:
-            after_chunk(start, end)
 
     next_chunk = itertools.count()  # shared by the workers: next() is atomic under the GIL
 

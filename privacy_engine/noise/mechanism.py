@@ -13,6 +13,7 @@ coefficients ``(1.0,)`` adds exactly the numbers ``GaussianNoise`` adds for the 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from privacy_engine.settings_checks import (
     check_noise_multiplier,
     check_noise_seed,
     check_noise_std,
+    check_noise_stream,
     check_unseeded_in_secure_mode,
 )
 
@@ -46,6 +48,12 @@ __all__ = ["NoiseMechanism"]
 
 def _commit_point(name: str) -> None:
     """Marks a point inside a step's commit; does nothing. Tests replace it to raise there."""
+
+
+def _without_scratch(group: _DeviceGroup) -> _DeviceGroup:
+    """A copy of ``group`` without its scratch buffers (this step's and the next step's noise and their views)."""
+    scratch = {"noise": None, "noise_views": [], "secure_scratch": None, "formed_ahead": False}
+    return dataclasses.replace(group, **scratch, next_noise=None, next_views=[], next_scratch=None)
 
 
 def _nothing_to_do() -> None:
@@ -116,9 +124,7 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         check_noise_seed(seed, name="seed")
         if prefetch is not None and not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
-        if noise_stream not in counter_stream.NOISE_STREAMS:
-            raise ValueError(f"noise_stream must be one of {list(counter_stream.NOISE_STREAMS)}, got {noise_stream!r}")
-        self.noise_stream = noise_stream
+        self.noise_stream = check_noise_stream(noise_stream)
         self.prefetch = prefetch
         self.secure_mode = bool(secure_mode)
         # No seed: one draw from torch's global generator, as Opacus's noise draws from it, so that
@@ -138,6 +144,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         self._wait_for_draws_ahead()
         state = dict(self.__dict__)
         state["_draws_ahead"] = {}
+        # The scratch buffers are left out (the next step makes them again): pickle copies each view of the
+        # noise vector as a tensor of its own, and a copy that added through such stale views would add the
+        # last step's noise again instead of its fresh draw.
+        state["_groups"] = [_without_scratch(group) for group in self._groups]
         return state
 
     # ------------------------------------------------------------------ public interface
@@ -280,18 +290,13 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
                     for group in self._groups:
                         self._ensure_buffers(group)
                         targets = [tensors[i] for i in group.tensor_indices]
-                        if self._adds_while_drawing(group, targets):
-                            # Counter stream: each chunk is added (and divided) by the thread that drew it, right
-                            # after drawing it, so the add runs on as many threads as the draw.
-                            def add_chunk(start: int, end: int, group=group, targets=targets) -> None:
-                                self._add_to_tensors(group, targets, 1.0, divide_by, span=(start, end))
-
-                            self._fill_standard_noise(group, std, after_chunk=add_chunk)
-                            self._form_noise(group)  # the base class's: nothing to form (kept for its place)
-                        else:
-                            self._fill_standard_noise(group, std)
-                            row_scale = self._form_noise(group)
-                            self._add_to_tensors(group, targets, row_scale, divide_by)
+                        # One add (and division) after the whole draw, on both streams. The counter stream used to
+                        # add each chunk on the thread that drew it: that cost more CPU time in all (4-6 ms more per
+                        # 10M at 2 threads: each drawing thread's add opened its own intra-op team, four threads on
+                        # two cores) than one add over the vectors after the draw, which torch splits itself.
+                        self._fill_standard_noise(group, std)
+                        row_scale = self._form_noise(group)
+                        self._add_to_tensors(group, targets, row_scale, divide_by)
                 elif divide_by is not None:
                     torch._foreach_div_(tensors, divide_by)
                 with deferred_signals():
@@ -502,14 +507,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
         if rows > 0 and group.history is None:
             group.history = torch.zeros(rows, group.numel, dtype=group.dtype, device=group.device)
 
-    def _fill_standard_noise(
-        self, group: _DeviceGroup, std: float, after_chunk: Callable[[int, int], None] | None = None
-    ) -> None:
+    def _fill_standard_noise(self, group: _DeviceGroup, std: float) -> None:
         """``group.noise`` <- this step's iid N(0, std^2) draw: the one made ahead in the background if it is
         exactly what drawing now gives (the generators then move on as drawing would have moved them), else
-        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both).
-        ``after_chunk(start, end)``: called for pieces of the draw that together cover it, each once it is drawn
-        (``noise_prefetch.draw_standard_noise``; a draw made ahead: once, over the whole vector)."""
+        drawn now. Changes the generators only as drawing in place does (add_noise_'s rollback covers both)."""
         group.formed_ahead = False
         ahead = self._draws_ahead.pop(id(group), None)
         if (
@@ -525,26 +526,10 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
             for generator, shadow in zip(group.generators, ahead.shadows):
                 generator.set_state(shadow.get_state())
             group.formed_ahead = ahead.formed is not None
-            if after_chunk is not None:
-                after_chunk(0, group.numel)
             return
         # Secure mode: the sum of four independent N(0, (s/2)^2) draws is exactly N(0, s^2) in distribution.
         noise_prefetch.draw_standard_noise(group.noise, group.secure_scratch, group.generators, std, self.secure_mode,
-                                           step=self._step, after_chunk=after_chunk)  # fmt: skip
-
-    def _adds_while_drawing(self, group: _DeviceGroup, targets: list[torch.Tensor]) -> bool:
-        """Whether this step's noise can be added chunk by chunk as it is drawn: the counter stream, the
-        mechanism's noise is the standard draw itself (no ``_form_noise`` of its own) and the tensors are
-        contiguous, of the noise's dtype, on CPU."""
-        # Only for the counter stream, whose chunks are drawn on several threads: each thread then also adds its
-        # chunks. For the serial stream adding piece by piece measured no faster than one add after the draw
-        # (the add is not memory-bound here) and a few per cent slower in Python, so it adds after the draw.
-        return (
-            type(self)._form_noise is NoiseMechanism._form_noise
-            and isinstance(group.generators[0], counter_stream.StreamKey)
-            and group.device.type == "cpu"
-            and all(t.dtype == group.dtype and t.is_contiguous() for t in targets)
-        )
+                                           step=self._step)  # fmt: skip
 
     # ------------------------------------------------------------------ drawing ahead (noise.prefetch)
     def _prefetching(self) -> bool:
@@ -592,24 +577,8 @@ class NoiseMechanism(NoiseStateMixin, abc.ABC):
 
     @staticmethod
     def _add_to_tensors(group: _DeviceGroup, tensors: list[torch.Tensor], scale: float,
-                        divide_by: float | None = None, span: tuple[int, int] | None = None) -> None:  # fmt: skip
-        """Add ``scale`` times the noise to the tensors, then divide them by ``divide_by`` (if given). ``span``:
-        only the entries ``[start, end)`` of the flat layout (contiguous tensors of the noise's dtype)."""
-        if span is not None:
-            start, end = span
-            pieces, noises = [], []
-            for tensor, offset in zip(tensors, group.offsets):
-                low, high = max(start, offset), min(end, offset + tensor.numel())
-                if low < high:
-                    pieces.append(tensor.view(-1)[low - offset : high - offset])
-                    noises.append(group.noise[low:high])
-            if scale == 1.0:
-                torch._foreach_add_(pieces, noises)
-            else:
-                torch._foreach_add_(pieces, noises, alpha=scale)
-            if divide_by is not None:
-                torch._foreach_div_(pieces, divide_by)
-            return
+                        divide_by: float | None = None) -> None:  # fmt: skip
+        """Add ``scale`` times the noise to the tensors, then divide them by ``divide_by`` (if given)."""
         same_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype == group.dtype]
         other_dtype = [(t, v) for t, v in zip(tensors, group.noise_views) if t.dtype != group.dtype]
         if same_dtype:

@@ -82,20 +82,15 @@ def draw_standard_noise(
     secure_mode: bool,
     *,
     step: int | None = None,
-    after_chunk: Callable[[int, int], None] | None = None,
 ) -> None:
     """``out`` <- iid ``N(0, std^2)``: one ``normal_`` from ``generators[0]``, or in secure mode the sum of
     one draw at ``std / sqrt(k)`` from each of the ``k`` generators (exactly ``N(0, std^2)`` in
     distribution; ``scratch`` holds each further draw). Keys of the counter stream instead of generators:
-    ``counter_stream.draw_counter_noise`` at ``step`` (the same sum of ``k`` draws in secure mode).
-
-    ``after_chunk(start, end)``: called once per piece of ``out`` once it is drawn, the pieces covering ``out``:
-    the counter stream's chunks (each on the thread that drew it, possibly several at once), or the whole
-    vector for the serial stream. The numbers drawn are the same with or without it."""
+    ``counter_stream.draw_counter_noise`` at ``step`` (the same sum of ``k`` draws in secure mode)."""
     if generators and isinstance(generators[0], counter_stream.StreamKey):
         if step is None:
             raise ValueError("the counter stream draws at a step: pass step")
-        counter_stream.draw_counter_noise(out, scratch, generators, step, std, after_chunk=after_chunk)
+        counter_stream.draw_counter_noise(out, scratch, generators, step, std)
         return
     with torch.no_grad():
         if not secure_mode:
@@ -106,8 +101,6 @@ def draw_standard_noise(
             for generator in generators[1:]:
                 scratch.normal_(0.0, part_std, generator=generator)
                 out.add_(scratch)
-    if after_chunk is not None:
-        after_chunk(0, out.numel())
 
 
 def draw_and_form(

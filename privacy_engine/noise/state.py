@@ -9,6 +9,7 @@ device) and the mechanism's own fields (``_extra_state``: BandMF's coefficients 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from privacy_engine.settings_checks import check_noise_seed, check_unseeded_in_s
 
 if TYPE_CHECKING:
     from privacy_engine.noise.layout import _DeviceGroup
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["NoiseStateMixin"]
 
@@ -87,6 +90,8 @@ class NoiseStateMixin:
         self._layout_restarts = int(state.get("layout_restarts", 0))
         stream = state.get("noise_stream", counter_stream.STREAM_MT)
         if stream != self.noise_stream:
+            logger.warning("the loaded noise state continues on its own noise stream %r, not on %r (the stream "
+                           "this mechanism was built with): a run keeps one stream", stream, self.noise_stream)  # fmt: skip
             self.noise_stream = stream
             self._wait_for_draws_ahead()
             self._draws_ahead = {}

@@ -29,19 +29,40 @@ need per-example losses, which a scalar loss no longer has):
   divides by the *global* expected batch size, steps the wrapped optimizer; then the step is recorded
   in the engine's ledger (rate ``q``, ``sigma`` and the noise's own event: the single-process event).
 
+Logical batches larger than memory (gradient accumulation) use ``VirtualSteps`` as in one process::
+
+    with VirtualSteps(data_loader=loader, max_physical_batch_size=16, optimizer=optimizer) as batches:
+        for x, y in batches:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+Each micro-batch's ``step()`` (after ``signal_skip_step(True)``) runs both clipping passes for that
+micro-batch only: its clipped sum is added to FSDP's sharded ``.grad`` (``zero_grad()`` keeps it while the
+logical step is open); the step closing the logical batch adds the noise once, divides by the global expected
+batch size, steps and records one step. Every micro-batch runs FSDP's collectives, so the ranks first agree on
+the number of micro-batches (the largest local count); a rank with fewer runs empty ones (zero-weighted).
+
+Stalls: at each training forward (before FSDP's all-gathers) and at each ``step()`` (before the clipping
+passes) the ranks meet at a barrier bounded by the job's timeout (the process group's, set by
+``init_process_group(timeout=...)``): a rank that stalls in the user's loop, raises or dies makes the others
+raise ``DistributedStepError`` naming the point, instead of failing later inside FSDP with the backend's message.
+
 The engine builds it (``privacy_engine.engine.sharded``); see ``FSDPPrivateOptimizer`` for the guarantee
 and the loop's rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from privacy_engine.training.fsdp import FSDPGhostClipping, FSDPPrivateStep, ShardNoise
+from privacy_engine.training.distributed_job import DistributedJob
+from privacy_engine.training.fsdp import FSDPGhostClipping, FSDPPrivateStep, ShardNoise, _local
 from privacy_engine.training.fsdp_noise import ShardMechanismNoise
 
 __all__ = ["FSDPPrivateOptimizer", "OutputCapture"]
@@ -86,8 +107,10 @@ class OutputCapture:
     is handed zero-row outputs (so it sees the empty batch it was given), and the step weights that row
     by zero (``per_example_surrogate``): it adds nothing to the clipped sum."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, before_forward: Callable[[], None] | None = None) -> None:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Called at each training forward before FSDP's pre-forward (the optimizer's agreement point).
+        self._before_forward = before_forward
         self._padded = False
         #: Whether the last training forward ran on a padding row for an empty batch.
         self.last_padded = False
@@ -103,8 +126,11 @@ class OutputCapture:
             # The first forward's gradient would be dropped (FSDP's passes run for one forward only).
             raise RuntimeError(
                 "a second training forward before optimizer.step(): under FSDP each step takes exactly one forward "
-                "and one loss.backward(); for larger batches raise the loader's batch_size"
+                "and one loss.backward(); to cut a logical batch into micro-batches use VirtualSteps(data_loader=..., "
+                "max_physical_batch_size=..., optimizer=optimizer) and call optimizer.step() after each micro-batch"
             )
+        if self._before_forward is not None:
+            self._before_forward()
         padded = _padded_inputs(args, kwargs)
         self._padded = padded is not None
         return padded
@@ -215,9 +241,21 @@ class FSDPPrivateOptimizer:
     step(closure)                               TypeError (no closures)
     an empty local batch                        takes part (adds zero to the sum)
     the step would pass max_epsilon             ``PrivacyBudgetExceeded``, nothing released
-    a rank that stops calling step()            the others raise at FSDP's next collective
-                                                (the process group's timeout)
+    step() after ``signal_skip_step()``         the micro-batch is clipped and added to the
+    (``VirtualSteps``)                          sharded ``.grad``: no noise, no record
+    ``zero_grad()`` inside a logical step       keeps the accumulated clipped sum
+    loop left between micro-batches             ``discard_logical_step()``: the partial sum is
+                                                dropped, nothing released or recorded
+    ranks with different micro-batch counts     ``VirtualSteps`` runs the largest on each rank
+                                                (empty ones add nothing)
+    a rank that stalls, raises or dies          the others raise ``DistributedStepError`` at
+                                                the barrier before the next forward or
+                                                clipping pass, within the job's timeout
     ==========================================  ==============================================
+
+    Virtual steps: with ``VirtualSteps`` the guarantee holds per *logical* batch: the union of the
+    micro-batches of all ranks is one Poisson sample at rate ``q``, each example clipped once (in the
+    micro-batch holding it), one noise draw and one recorded step per logical batch.
 
     The wrapped optimizer is ``original_optimizer`` (its state dict is sharded: save it with
     ``torch.distributed.checkpoint``, as ``engine.checkpoint.sharded`` does).
@@ -225,7 +263,7 @@ class FSDPPrivateOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: nn.Module, noise: ShardNoise | ShardMechanismNoise,
                  data_loader: Any, accountant: Any, budget: Any, loss_reduction: str, source: str = "",
-                 privacy_event: Any) -> None:  # fmt: skip
+                 privacy_event: Any, job: DistributedJob | None = None) -> None:  # fmt: skip
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
         self.original_optimizer = optimizer
@@ -241,9 +279,18 @@ class FSDPPrivateOptimizer:
         self.sample_rate = self._release.sample_rate
         self.expected_batch_size = self._release.expected_batch_size
         self.clipping = FSDPGhostClipping(model, max_grad_norm=noise.max_grad_norm)
-        self.capture = OutputCapture(model)
+        #: The job whose timeout bounds the agreement points (None: no agreement, e.g. one rank).
+        self.job = job if job is not None and job.world_size > 1 else None
+        self.capture = OutputCapture(model, before_forward=self._agree_before_forward)
         #: Private steps released by this optimizer.
         self.steps = 0
+        # Virtual steps (``VirtualSteps``): the next step() only clips and accumulates into FSDP's sharded .grad.
+        self._skip_next_step = False
+        self._in_logical_step = False
+        #: Micro-batches clipped into the open logical step (0 when none is open).
+        self.accumulated_micro_batches = 0
+        #: Read by ``VirtualSteps`` (which installs its own while it runs); padding masks are not used here.
+        self.padding_mask_source: Any = None
 
     @property
     def noise_multiplier(self) -> float:
@@ -284,29 +331,85 @@ class FSDPPrivateOptimizer:
             kwargs["source"] = self.source
         return kwargs
 
+    def _agree(self, what: str) -> None:
+        """Every rank reaches this point within the job's timeout, else ``DistributedStepError`` naming the
+        point: a stalled rank fails the others here, before FSDP's own collectives (which would fail with the
+        backend's bare message). A plain barrier, not gloo's monitored one: that one waits the whole timeout for
+        a rank that has died, where the barrier fails as soon as the connection drops."""
+        if self.job is not None:
+            self.job.wait(dist.barrier(group=self.job.process_group, async_op=True), what)
+
+    def _agree_before_forward(self) -> None:
+        self._agree(f"the training forward of private step {self.steps} (before FSDP's all-gathers)")
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the next ``step()`` only clip and accumulate (a micro-batch that does not close its logical
+        batch, as ``VirtualSteps`` asks): its clipped sum is added to FSDP's sharded ``.grad``; nothing is noised,
+        released or recorded until the step that closes the logical batch."""
+        self._skip_next_step = bool(do_skip)
+
+    def agreed_micro_batch_count(self, local_count: int) -> int:
+        """The number of micro-batches every rank cuts this logical batch into: the largest ``local_count``
+        over the ranks (collective, bounded by the job's timeout). Each micro-batch runs FSDP's collectives, so
+        the ranks must run as many; a rank with fewer examples runs empty micro-batches (padding rows weighted
+        by zero). The count reveals only the largest local batch size to the other ranks."""
+        if self.job is None:
+            return int(local_count)
+        # On the parameters' device: the backend's (a CUDA tensor for NCCL, a CPU one for gloo).
+        device = _local(self._release.params[0]).device if self._release.params else torch.device("cpu")
+        count = torch.tensor([int(local_count)], dtype=torch.int64, device=device)
+        work = dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.job.process_group, async_op=True)
+        self.job.wait(work, f"agreeing on the micro-batches of private step {self.steps}")
+        return int(count.item())
+
     def step(self, closure: Any = None) -> None:
-        """One private release (every rank, once per global step); see the class docstring."""
+        """One private release (every rank, once per global step), or after ``signal_skip_step()`` one
+        micro-batch clipped and accumulated; see the class docstring."""
         if closure is not None:
             raise TypeError("step() takes no closure under FSDP: run the forward and loss.backward() before it")
         pending = self.capture.take()
         if self.budget is not None:
             self.budget.check_release(self.accountant, **self.step_kwargs())
         surrogate = per_example_surrogate(pending, loss_reduction=self.loss_reduction)
+        self._agree(f"private step {self.steps} (before the clipping passes)")
+        # Adds this (micro-)batch's clipped sum to what the sharded .grad holds (the open logical step's).
         self.clipping.backward(surrogate)
         del pending, surrogate  # the forward's graph is freed before the update
+        if self._skip_next_step:
+            self._skip_next_step = False
+            self._in_logical_step = True
+            self.accumulated_micro_batches += 1
+            return
+        self._in_logical_step = False
+        self.accumulated_micro_batches = 0
         self._release.step()
         if self.accountant is not None:
             self.accountant.step(**self.step_kwargs())
         self.steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the wrapped optimizer's gradients and forget a forward not yet stepped."""
+        """Zero the wrapped optimizer's gradients and forget a forward not yet stepped; inside an open logical
+        step (the last ``step()`` was skipped) the accumulated clipped sum in ``.grad`` is kept."""
         self.capture.clear()
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        if not self._in_logical_step:
+            self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def discard_logical_step(self) -> None:
+        """Drop a partly accumulated logical step (its clipped sum in ``.grad``; nothing was released or
+        recorded) and any pending skip: ``VirtualSteps`` calls it when the loop stops between micro-batches."""
+        self.capture.clear()
+        self.original_optimizer.zero_grad(set_to_none=True)
+        self._skip_next_step = False
+        self._in_logical_step = False
+        self.accumulated_micro_batches = 0
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's private state (plain data): released steps and the noise stream. The wrapped
-        optimizer's sharded state goes through ``torch.distributed.checkpoint`` (``engine.checkpoint.sharded``)."""
+        optimizer's sharded state goes through ``torch.distributed.checkpoint`` (``engine.checkpoint.sharded``).
+        RuntimeError inside an open logical step (its partial clipped sum in ``.grad`` is not saved)."""
+        if self._in_logical_step or self._skip_next_step:
+            raise RuntimeError("state_dict() between micro-batches of one logical batch: its partial clipped sum would "
+                               "be lost; save after the step that closes the logical batch")  # fmt: skip
         return {"steps": self.steps, "noise": self.noise.state_dict(), "sample_rate": self.sample_rate,
                 "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm}  # fmt: skip
 
@@ -331,6 +434,8 @@ class FSDPPrivateOptimizer:
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state["steps"])
         self.capture.clear()
+        self._skip_next_step = self._in_logical_step = False
+        self.accumulated_micro_batches = 0
 
     def remove_hooks(self) -> None:
         """Remove the hooks on the model (it is left as it was sharded)."""

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from privacy_engine.batches.tickets import find_ticket, tag_batch
 from privacy_engine.clipping.per_user import user_aligned_size
+from privacy_engine.training.fsdp_private import FSDPPrivateOptimizer
 from privacy_engine.training.optimizer import DPOptimizer
 
 __all__ = ["VirtualSteps", "batch_size_of", "split_batch"]
@@ -104,14 +105,20 @@ class VirtualSteps:
     "user")                           examples_per_user rows (never cutting a
                                       user); ValueError if smaller than it
     optimizer not a DPOptimizer       TypeError
+    (nor an FSDPPrivateOptimizer)
     loop left mid logical batch       partial sum discarded, warning
+    FSDPPrivateOptimizer (FSDP2)      every rank runs the largest micro-batch
+                                      count over the ranks (a collective per
+                                      logical batch); extra ones are empty
     ================================  ==========================================
     """
 
-    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer: DPOptimizer) -> None:
-        if not isinstance(optimizer, DPOptimizer):
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int,
+                 optimizer: DPOptimizer | FSDPPrivateOptimizer) -> None:  # fmt: skip
+        if not isinstance(optimizer, (DPOptimizer, FSDPPrivateOptimizer)):
             raise TypeError(
-                f"optimizer must be a DPOptimizer (from PrivacyEngine.make_private); got {type(optimizer).__name__}"
+                f"optimizer must be a DPOptimizer or FSDPPrivateOptimizer (from PrivacyEngine.make_private); got "
+                f"{type(optimizer).__name__}"
             )
         if (
             isinstance(max_physical_batch_size, bool)
@@ -156,6 +163,11 @@ class VirtualSteps:
                 ticket = find_ticket(batch)
                 # User-level batches (privacy_unit="user") are cut between users only: a user is clipped once.
                 pieces = split_batch(batch, user_aligned_size(ticket, self.max_physical_batch_size))
+                if isinstance(self.optimizer, FSDPPrivateOptimizer):
+                    # Under FSDP each micro-batch runs collectives: every rank runs the largest count, a rank
+                    # with fewer examples empty micro-batches (they add nothing).
+                    count, size = self.optimizer.agreed_micro_batch_count(len(pieces)), batch_size_of(batch)
+                    pieces += [(size, size, _slice(batch, size, size, size))] * (count - len(pieces))
                 for index, (start, end, micro_batch) in enumerate(pieces):
                     last = index == len(pieces) - 1
                     if ticket is not None:

@@ -25,7 +25,6 @@ sums each user's ``k`` rows before the norm. The weighted sums then weight each 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -38,6 +37,7 @@ from privacy_engine.clipping.ghost.uses import (
     Use,
     add_rows,
     check_sampler_result,
+    row_numel,
     row_shape,
     shared_parameters,
     tensor_bytes,
@@ -57,7 +57,10 @@ class BackwardPasses:
         if passes.current is None:
             users = self._users_of_pass()  # raises before the pass starts
             live = [use for use in list(passes.pending) if not use.consumed]
-            passes.current = BackwardPass(shared_parameters(live))
+            shared = shared_parameters(live)
+            # Buffers of parameters no longer shared are dropped (the model or its uses changed).
+            passes.buffers = {param: buffer for param, buffer in passes.buffers.items() if param in shared}
+            passes.current = BackwardPass(shared, passes.buffers)
             passes.current.users = users
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         return passes.current
@@ -145,11 +148,11 @@ class BackwardPasses:
         # Keep per-example gradients or (inputs, output gradient) until the end of backward, whichever
         # is smaller: when the per-example gradients are the smaller, forming them also costs no more
         # than a norm plus a second weight-gradient product for the sum (the direct form).
-        shared = any(param in state.shared for param, _ in use.parts)
+        shared = bool(state.shared) and any(param in state.shared for param, _ in use.parts)
         users = state.users
         # Rows kept per materialised gradient: a user-level pass keeps each user's sum.
         kept_rows = batch_size if users is None else users.num_users
-        per_sample_bytes = kept_rows * grads.element_size() * sum(math.prod(row_shape(p, r)) for p, r in use.parts)
+        per_sample_bytes = kept_rows * grads.element_size() * sum(row_numel(p, r) for p, r in use.parts)
         held_bytes = sum(tensor_bytes(value) for value in (grads, *activations))
         keep_per_sample = per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
         # A user's norm needs the cross terms between its examples: a norm form that does not take a user's
@@ -194,6 +197,12 @@ class BackwardPasses:
         state.add_materialised(param, None, self._per_user(state, use, grads))
 
     def _finish_pass(self) -> None:
+        try:
+            self._clip_pass()
+        finally:
+            self._passes.drop_pass()
+
+    def _clip_pass(self) -> None:
         self._backward_finished_by_clipping()
         passes, link = self._passes, self._clipping
         state, passes.current = passes.current, None
@@ -218,7 +227,7 @@ class BackwardPasses:
         # fp16 loss scaling (an attached GradScaler): the output gradients are S times the true ones.
         scale /= clipper.loss_scale() if hasattr(clipper, "loss_scale") else 1.0
         with torch.no_grad():
-            norms = self._group_norms_of_pass(state, clipper)
+            norms, group_of = self._group_norms_of_pass(state, clipper)
             # Norms are homogeneous: scaling the (unscaled-gradient) norms once equals scaling every G.
             if scale != 1.0:
                 norms = norms * scale
@@ -227,7 +236,7 @@ class BackwardPasses:
             # when some norm is non-finite, as every entry then shows in its norm).
             drop_non_finite = not bool(torch.isfinite(norms).all())
             weights = factors * scale
-            sums = _clipped_sums(state, clipper, weights, drop_non_finite)
+            sums = _clipped_sums(state, group_of, weights, drop_non_finite)
             self.last_per_sample_norms = norms
             if link.takes_ownership:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
@@ -236,9 +245,10 @@ class BackwardPasses:
             if ticket is not None:
                 self._consumer.contract.contributed(ticket)
 
-    def _group_norms_of_pass(self, state: BackwardPass, clipper) -> torch.Tensor:
+    def _group_norms_of_pass(self, state: BackwardPass, clipper) -> tuple[torch.Tensor, dict[nn.Parameter, int]]:
         """The per-example group norms ``(batch, num_groups)`` of everything ``state`` gathered, from the
-        gradients as kept (the loss reduction's factor and the loss scale not yet applied)."""
+        gradients as kept (the loss reduction's factor and the loss scale not yet applied), and the clipping
+        group (``clipper.group_index``) of each parameter the pass reached."""
         squared = dict(state.squared_norms)
         for param, grads in state.materialised.items():
             # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
@@ -252,13 +262,14 @@ class BackwardPasses:
         # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
         # handed over under one member of each group: the clipper adds a group's squares anyway.
         by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        group_of = {param: clipper.group_index(param) for param in squared}
         for param, value in squared.items():
-            by_group.setdefault(clipper.group_index(param), []).append((param, value))
+            by_group.setdefault(group_of[param], []).append((param, value))
         group_squares = {
             members[0][0]: members[0][1] if len(members) == 1 else torch.stack([v for _, v in members]).sum(dim=0)
             for members in by_group.values()
         }
-        return clipper.group_norms_from_squared(group_squares)
+        return clipper.group_norms_from_squared(group_squares), group_of
 
 
 def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, grads: torch.Tensor, weights: torch.Tensor):
@@ -268,12 +279,15 @@ def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, g
     return {param: per_sample.sum(dim=0) for param, per_sample in grad_sampler(activations, scaled).items()}
 
 
-def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_finite: bool) -> dict:
+def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, drop_non_finite: bool) -> dict:
     """``{param: sum_i weights[i, group(param)] g_i}`` over the layers ``state`` deferred and the
-    per-example gradients it materialised (``weights``: the clip factors times the gradients' scale). In a
+    per-example gradients it materialised (``weights``: the clip factors times the gradients' scale;
+    ``group_of``: each of those parameters' clipping group, from ``_group_norms_of_pass``). In a
     user-level pass ``weights`` and the materialised gradients are per user, and a deferred layer's rows take
     their user's weight."""
     sums: dict[nn.Parameter, torch.Tensor] = {}
+    # Each group's weights (and kept rows) are the same for every layer: taken once per pass, not per layer.
+    deferred_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     deferred, state.deferred = state.deferred, []
     deferred.reverse()
     while deferred:
@@ -282,12 +296,15 @@ def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_
         use, weighted_sums, activations, grads = deferred.pop()
         columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
         for param, rows in use.parts:
-            columns.setdefault(clipper.group_index(param), []).append((param, rows))
+            columns.setdefault(group_of[param], []).append((param, rows))
         for column, parts in columns.items():
-            column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
+            cached = deferred_weights.get(column)
+            if cached is None:
+                column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
+                cached = deferred_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
+            column_weights, keep = cached
             column_activations, column_grads = activations, grads
             if drop_non_finite:
-                keep = column_weights != 0
                 column_activations = tuple(zero_rows(a, keep) for a in activations)
                 column_grads = zero_rows(grads, keep)
             result = weighted_sums(column_activations, column_grads, column_weights)
@@ -298,7 +315,7 @@ def _clipped_sums(state: BackwardPass, clipper, weights: torch.Tensor, drop_non_
     materialised, state.materialised = state.materialised, {}
     while materialised:
         param, grads = materialised.popitem()
-        column_weights = weights[:, clipper.group_index(param)]
+        column_weights = weights[:, group_of[param]]
         if drop_non_finite:
             grads = zero_rows(grads, column_weights != 0)
         add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))

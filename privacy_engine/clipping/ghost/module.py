@@ -267,7 +267,7 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
                 "max_grad_norm)) first (PrivacyEngine.make_private(grad_sample_mode='ghost') does)"
             )
         if self._passes.current is not None:
-            self._passes.current = None  # left over from a backward pass that raised
+            self._passes.drop_pass()  # left over from a backward pass that raised
         return super().forward(*args, **kwargs)
 
     def _check_second_pass(self, ticket) -> None:
@@ -316,7 +316,7 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     def _reject_gradient(self, name: str, grad: torch.Tensor | None) -> None:
         if grad is None or not self.training:
             return
-        self._passes.current = None
+        self._passes.drop_pass()
         owner = next((self._tables.owner_paths.get(p) for n, p in self._module.named_parameters() if n == name), None)
         raise ParameterUsageError(
             f"parameter {name!r} received a gradient outside ghost clipping (it is used outside the forward of "
