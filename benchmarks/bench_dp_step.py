@@ -78,6 +78,7 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 import torch
 from workloads import (
     ALL_WORKLOADS,
+    CPU,
     Workload,
     deep_mlp_skeleton,
     get_workload,
@@ -127,12 +128,14 @@ class Built:
     parts: dict = field(default_factory=dict)
 
 
-def build(workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable | None = None) -> Built:
+def build(
+    workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable | None = None, device: torch.device = CPU
+) -> Built:
     """``variant``'s training step on a fixed batch of ``workload`` (``loss_fn`` replaces the loss, for
-    profiling)."""
+    profiling), model and batch on ``device``."""
     torch.manual_seed(seed)
-    model = workload.build_model()
-    inputs, targets = workload.make_batch(workload.batch_size, torch.Generator().manual_seed(seed))
+    model = workload.build_model().to(device)
+    inputs, targets = (t.to(device) for t in workload.make_batch(workload.batch_size, torch.Generator().manual_seed(seed)))
     loss_fn = loss_fn or workload.loss
     sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
@@ -166,7 +169,7 @@ def build(workload: Workload, variant: str, *, seed: int = 0, loss_fn: Callable 
             raise RuntimeError("opacus is not installed")
         from bench_fast_clipping import make_step as opacus_step  # the same Opacus set-up as that benchmark
 
-        return Built(step=opacus_step(workload, variant, seed=seed), model=model)
+        return Built(step=opacus_step(workload, variant, seed=seed, device=device), model=model)
 
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 

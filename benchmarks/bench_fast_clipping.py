@@ -43,6 +43,7 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 import torch
 from workloads import (
+    CPU,
     WORKLOADS,
     Workload,
     get_workload,
@@ -75,11 +76,11 @@ except ImportError:  # our rows still run without Opacus
     opacus = None
 
 
-def make_step(workload: Workload, variant: str, *, seed: int = 0) -> Callable[[], None]:
-    """A closure running one training step of ``variant`` on a fixed batch of ``workload``."""
+def make_step(workload: Workload, variant: str, *, seed: int = 0, device: torch.device = CPU) -> Callable[[], None]:
+    """A closure running one training step of ``variant`` on a fixed batch of ``workload`` (on ``device``)."""
     torch.manual_seed(seed)
-    model = workload.build_model()
-    inputs, targets = workload.make_batch(workload.batch_size, torch.Generator().manual_seed(seed))
+    model = workload.build_model().to(device)
+    inputs, targets = (t.to(device) for t in workload.make_batch(workload.batch_size, torch.Generator().manual_seed(seed)))
     loss_fn = workload.loss
     sgd = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 

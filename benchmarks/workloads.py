@@ -203,18 +203,23 @@ class CausalLMLogits(nn.Module):
         return self.model(input_ids=input_ids).logits.transpose(1, 2)
 
 
-def build_hf_decoder(*, hidden: int = 64, heads: int = 4, layers: int = 2, vocab: int = HF_DECODER_VOCAB) -> nn.Module:
+def build_hf_decoder(
+    *, hidden: int = 64, heads: int = 4, layers: int = 2, vocab: int = HF_DECODER_VOCAB,
+    positions: int = HF_DECODER_SEQUENCE_LENGTH,
+) -> nn.Module:  # fmt: skip
     import transformers  # only this workload needs it
 
     config = transformers.GPT2Config(
-        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=HF_DECODER_SEQUENCE_LENGTH,
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return CausalLMLogits(transformers.GPT2LMHeadModel(config))
 
 
-def _next_token_batch(batch_size: int, generator: torch.Generator, *, vocab: int = HF_DECODER_VOCAB) -> Batch:
-    tokens = torch.randint(0, vocab, (batch_size, HF_DECODER_SEQUENCE_LENGTH + 1), generator=generator)
+def _next_token_batch(
+    batch_size: int, generator: torch.Generator, *, vocab: int = HF_DECODER_VOCAB, length: int = HF_DECODER_SEQUENCE_LENGTH
+) -> Batch:
+    tokens = torch.randint(0, vocab, (batch_size, length + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -312,6 +317,24 @@ ALL_WORKLOADS: dict[str, Workload] = {
         make_batch=_next_token_batch,
     ),
 }
+
+
+#: GPT-2 small (124M parameters: 12 layers, hidden 768, 12 heads, vocabulary 50257) built from its config,
+#: sequence 128, dropout off: the GPU benchmark's language model (too slow for the CPU tables).
+GPT2_SMALL_SEQUENCE_LENGTH = 128
+
+
+def gpt2_small(batch_size: int = 16) -> Workload:
+    """GPT-2 small (``GPT2_SMALL_SEQUENCE_LENGTH`` tokens, next-token loss) with ``batch_size`` examples."""
+    return Workload(
+        name="gpt2-small",
+        description=f"GPT-2 small 124M, seq {GPT2_SMALL_SEQUENCE_LENGTH}, batch {batch_size}",
+        batch_size=batch_size,
+        build_model=functools.partial(
+            build_hf_decoder, hidden=768, heads=12, layers=12, vocab=50257, positions=GPT2_SMALL_SEQUENCE_LENGTH
+        ),
+        make_batch=functools.partial(_next_token_batch, vocab=50257, length=GPT2_SMALL_SEQUENCE_LENGTH),
+    )
 
 
 def get_workload(name: str, batch_size: int | None = None) -> Workload:
@@ -598,6 +621,7 @@ def render_table(lines: list[list[str]]) -> str:
 
 __all__ = [
     "ALL_WORKLOADS",
+    "CPU",
     "MEMORY_CHILD_ENV",
     "WORKLOADS",
     "MeanPoolTransformer",
@@ -610,6 +634,7 @@ __all__ = [
     "build_transformer",
     "deep_mlp_skeleton",
     "get_workload",
+    "gpt2_small",
     "median_time",
     "opacus_step",
     "peak_memory_increase",

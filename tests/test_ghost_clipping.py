@@ -154,8 +154,8 @@ class Attention(nn.Module):
         batch_first = self.attention.batch_first
         attn_mask = key_padding_mask = None
         if self.masked:
-            attn_mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)  # causal
-            key_padding_mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            attn_mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)  # causal
+            key_padding_mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
             key_padding_mask[:, -1] = True
         if not batch_first:
             x, key = x.transpose(0, 1), key.transpose(0, 1)
