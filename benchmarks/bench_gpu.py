@@ -14,7 +14,8 @@ Noise table: one step of Gaussian noise (``GaussianNoise.add_noise_`` over the p
 same size (Gaussian) or that draw plus the b - 1 multiply-adds of the history (BandMF), 10M to 100M
 parameters, interleaved; ratio = median over rounds of (ours / floor).
 
-Run:  python benchmarks/bench_gpu.py [--quick] [--workloads mlp cnn transformer gpt2-small] [--no-noise]
+Run:  python benchmarks/bench_gpu.py [--quick] [--workloads mlp cnn transformer gpt2-small] [--no-noise] [--no-steps]
+      python benchmarks/bench_gpu.py --diagnose --workloads mlp transformer   # syncs, op and kernel counts
 """
 
 from __future__ import annotations
@@ -75,48 +76,95 @@ def step_rows(name: str, device: torch.device, *, repeats: int, warmup: int) -> 
     return rows
 
 
+def _paired_ms(steps: list, device: torch.device, repeats: int) -> list[list[float]]:
+    """Per round, each step's seconds, the steps run one after another in every round."""
+    for _ in range(3):
+        for step in steps:
+            step()
+    rounds = []
+    for _ in range(repeats):
+        times = []
+        for step in steps:
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        rounds.append(times)
+    return rounds
+
+
 def noise_rows(device: torch.device, sizes: list[int], *, repeats: int) -> list[list[str]]:
-    """Gaussian and BandMF noise per step against ``torch.randn(out=)`` (+ the history's multiply-adds)."""
+    """Gaussian and BandMF noise per step against two floors: ``torch.randn(out=)`` alone, and that draw
+    added into a gradient-sized tensor (the least any mechanism must do); BandMF's floors add the b - 1
+    multiply-adds of its history."""
     rows = []
     for total in sizes:
         tensors = [torch.zeros(total // 2, device=device), torch.zeros(total - total // 2, device=device)]
-        floor_out = torch.empty(total, device=device)
+        floor_out, target = torch.empty(total, device=device), torch.zeros(total, device=device)
         generator = torch.Generator(device=device).manual_seed(0)
         gaussian = GaussianNoise(seed=0)
         variants = {"gaussian": (lambda: gaussian.add_noise_(tensors, 1.0, 1.0), 1)}
         for bands in (4, 16):
             mechanism = BandMFNoise(optimize_banded_toeplitz(1000, bands), seed=0)
-            variants[f"bandmf b={bands}"] = (
-                lambda mechanism=mechanism: mechanism.add_noise_(tensors, 1.0, 1.0), bands
-            )
+            variants[f"bandmf b={bands}"] = (lambda mechanism=mechanism: mechanism.add_noise_(tensors, 1.0, 1.0), bands)
         for label, (ours, bands) in variants.items():
             history = [torch.randn(total, device=device) for _ in range(bands - 1)]
 
-            def floor(history=history) -> None:
+            def draw(history=history) -> None:
                 torch.randn(total, out=floor_out, generator=generator)
                 for row in history:
                     floor_out.add_(row, alpha=0.5)
 
-            for _ in range(3):
-                ours(), floor()
-            pairs = []
-            for _ in range(repeats):
-                times = []
-                for step in (ours, floor):
-                    synchronize(device)
-                    start = time.perf_counter()
-                    step()
-                    synchronize(device)
-                    times.append(time.perf_counter() - start)
-                pairs.append(times)
-            ours_ms = 1e3 * statistics.median(p[0] for p in pairs)
-            floor_ms = 1e3 * statistics.median(p[1] for p in pairs)
-            ratio = statistics.median(p[0] / p[1] for p in pairs)
-            rows.append([f"{total / 1e6:.0f}M", label, f"{ours_ms:.3f}", f"{floor_ms:.3f}", f"{ratio:.2f}"])
+            def draw_and_add() -> None:
+                draw()
+                target.add_(floor_out)
+
+            rounds = _paired_ms([ours, draw, draw_and_add], device, repeats)
+            ms = [1e3 * statistics.median(r[k] for r in rounds) for k in range(3)]
+            ratios = [statistics.median(r[0] / r[k] for r in rounds) for k in (1, 2)]
+            rows.append([f"{total / 1e6:.0f}M", label, *(f"{v:.3f}" for v in ms), *(f"{v:.2f}" for v in ratios)])
             del history
-        del tensors, floor_out
+        del tensors, floor_out, target
         torch.cuda.empty_cache()
     return rows
+
+
+def diagnose(name: str, device: torch.device, variants=("plain", "ghost", "hooks")) -> None:
+    """For one step of each variant: the host-device synchronisations (file:line, from
+    ``torch.cuda.set_sync_debug_mode("warn")``), the number of top-level aten ops and of CUDA kernels, and
+    the ops taking the most CPU time (the launch-bound part of a small model's step)."""
+    workload = workload_named(name)
+    for variant in variants:
+        step = build(workload, variant, device=device).step
+        for _ in range(3):
+            step()
+        synchronize(device)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            synchronize(device)
+        torch.cuda.set_sync_debug_mode("default")
+        syncs: dict[str, int] = {}
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                where = f"{os.path.relpath(warning.filename)}:{warning.lineno}"
+                syncs[where] = syncs.get(where, 0) + 1
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profiler:
+            step()
+            synchronize(device)
+        events = list(profiler.events())
+        aten = [e for e in events if e.name.startswith("aten::")]
+        top = [e for e in aten if not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"{name} {variant}: {len(top)} top-level aten ops, {len(kernels)} CUDA kernels/copies, "
+              f"{sum(syncs.values())} syncs {syncs}", flush=True)  # fmt: skip
+        if variant != "plain":
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        del step
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,6 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="*", default=list(GPU_WORKLOADS), choices=list(GPU_WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="fewer repeats, noise at 10M only")
     parser.add_argument("--no-noise", action="store_true", help="leave the noise table out")
+    parser.add_argument("--no-steps", action="store_true", help="leave the step table out")
+    parser.add_argument(
+        "--diagnose", action="store_true",
+        help="instead: per variant, the host-device syncs, op and kernel counts and the costliest ops of one step",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device (torch.cuda.is_available() is False)")
@@ -132,17 +185,23 @@ def main(argv: list[str] | None = None) -> None:
     properties = torch.cuda.get_device_properties(device)
     opacus_text = f"opacus {opacus.__version__}" if opacus is not None else "opacus not installed"
     print(f"{properties.name}, {properties.total_memory / 2**30:.0f} GiB; torch {torch.__version__}; {opacus_text}")
+    if args.diagnose:
+        for name in args.workloads:
+            diagnose(name, device)
+        return
     repeats, warmup = (5, 2) if args.quick else (15, 3)
-    rows = [["workload", "variant", "ms/step", "x plain", "peak MiB", "x plain"]]
-    for name in args.workloads:
-        rows += step_rows(name, device, repeats=repeats, warmup=warmup)
-        print(f"  {name} done", flush=True)
-    print(render_table(rows), flush=True)
+    if not args.no_steps:
+        rows = [["workload", "variant", "ms/step", "x plain", "peak MiB", "x plain"]]
+        for name in args.workloads:
+            rows += step_rows(name, device, repeats=repeats, warmup=warmup)
+            print(f"  {name} done", flush=True)
+        print(render_table(rows), flush=True)
     if not args.no_noise:
         sizes = [10_000_000] if args.quick else [10_000_000, 30_000_000, 100_000_000]
-        noise = [["params", "noise", "ours ms", "floor ms", "ours/floor"]]
+        noise = [["params", "noise", "ours ms", "randn ms", "randn+add ms", "x randn", "x randn+add"]]
         noise += noise_rows(device, sizes, repeats=repeats * 2)
-        print("floor: torch.randn(out=) of the same size (+ b-1 multiply-adds for BandMF)")
+        print("floors: torch.randn(out=) of the same size; the same plus one add into a gradient-sized tensor")
+        print("(BandMF's floors also do the b - 1 multiply-adds of its history)")
         print(render_table(noise), flush=True)
 
 
