@@ -23,7 +23,9 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import torch
 
 from accountants import Accountant, CalibrationError
 from privacy_engine.engine.bands import CANDIDATE_NUM_BANDS, check_num_bands, compare_num_bands, plan_bandmf
@@ -39,6 +41,7 @@ __all__ = [
     "blt_min_separation",
     "blt_strategy",
     "format_candidates",
+    "noise_vector_bytes",
     "plan_auto",
     "plan_blt",
 ]
@@ -56,6 +59,38 @@ def blt_strategy(total_steps: int, num_buffers: int, min_sep: int) -> BLTStrateg
     """The optimised BLT strategy for ``total_steps`` steps, min separation ``min_sep`` (cached: deterministic,
     and tutorials repeat the same runs over seeds and epsilons)."""
     return optimize_blt(total_steps, num_buffers, min_sep=min_sep)
+
+
+def noise_vector_bytes(params: Iterable[torch.Tensor]) -> int:
+    """The bytes of one noise vector over ``params`` as one process holds it: what ``plan_auto`` counts against
+    ``max_noise_memory`` (as ``parameter_bytes``), in each parameter's own dtype.
+
+    A parameter sharded over a device mesh (a DTensor: FSDP2's ``fully_shard``, where each rank noises and keeps
+    history for its own shard only) counts its *largest* local shard, the one at mesh coordinate 0 (torch cuts a
+    sharded dimension of size ``n`` over ``m`` ranks into chunks of ``ceil(n / m)``, the last ones shorter or
+    empty); the sum is then the noise memory of the rank holding the most (rank 0), computed from the global
+    shapes alone, so every rank counts the same number without communicating.
+
+    ==========================================  ==============================================
+    parameter                                   counted
+    ==========================================  ==============================================
+    a plain tensor                              ``numel * element_size``
+    a DTensor, ``Shard(d)`` on a mesh dim of    dimension ``d`` as ``ceil(n / m)`` (0 if
+    size ``m``                                  ``n = 0``), per sharded mesh dimension
+    a DTensor, ``Replicate()``                  the full size (every rank holds all of it)
+    ==========================================  ==============================================
+    """
+    total = 0
+    for param in params:
+        placements = getattr(param, "placements", None)
+        shape = list(param.shape)
+        if placements is not None:
+            mesh = param.device_mesh
+            for mesh_dim, placement in enumerate(placements):
+                if placement.is_shard():
+                    shape[placement.dim] = -(-shape[placement.dim] // mesh.size(mesh_dim))
+        total += math.prod(shape) * param.element_size()
+    return total
 
 
 def blt_min_separation(shape: LoaderShape) -> int:
@@ -91,7 +126,8 @@ def plan_blt(options: PrivacyOptions, shape: LoaderShape, *, seed: Callable[[], 
 def plan_auto(options: PrivacyOptions, shape: LoaderShape, *, accountant: Accountant, parameter_bytes: int,
               seed: Callable[[], int | None], secure_mode: bool) -> NoiseChoice:  # fmt: skip
     """The candidate with the smallest expected error among those within ``options.max_noise_memory``
-    (``parameter_bytes``: one noise vector over all trainable parameters, in bytes), built as if named.
+    (``parameter_bytes``: one noise vector over the trainable parameters, in bytes, as one process holds it:
+    ``noise_vector_bytes``, the largest rank's shard under FSDP2), built as if named.
 
     Raises ValueError if no candidate fits the memory budget; the ``CalibrationError`` of an unreachable target
     if no candidate reaches it."""
@@ -140,11 +176,15 @@ def plan_auto(options: PrivacyOptions, shape: LoaderShape, *, accountant: Accoun
     logger.info("noise_mechanism='auto': %s chosen by the expected squared error of the noisy prefix sums over %d "
                 "steps, each candidate calibrated to (epsilon, delta) = %s:\n%s", best.label, steps, options.target,
                 format_candidates(table))  # fmt: skip
+    # The winner planned as if named: without the memory budget, which options accept with "auto" only (it has
+    # been applied above).
     if best.mechanism == "blt":
-        named = dataclasses.replace(options, noise_mechanism="blt", num_buffers=best.num_buffers, num_bands=min_sep)
+        named = dataclasses.replace(options, noise_mechanism="blt", num_buffers=best.num_buffers, num_bands=min_sep,
+                                    max_noise_memory=None)  # fmt: skip
         choice = plan_blt(named, shape, seed=seed, secure_mode=secure_mode)
     elif best.mechanism == "bandmf":
-        named = dataclasses.replace(options, noise_mechanism="bandmf", num_bands=best.num_bands, num_buffers=None)
+        named = dataclasses.replace(options, noise_mechanism="bandmf", num_bands=best.num_bands, num_buffers=None,
+                                    max_noise_memory=None)  # fmt: skip
         choice = plan_bandmf(named, shape, accountant=accountant, seed=seed, secure_mode=secure_mode)
     else:
         choice = NoiseChoice(mechanism="gaussian", num_bands=1, coefficients=None, total_steps=None,

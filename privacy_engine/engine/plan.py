@@ -32,7 +32,7 @@ from privacy_engine.clipping.ghost import GhostClippingModule
 from privacy_engine.engine.bands import check_num_bands, plan_bandmf
 from privacy_engine.engine.calibration import calibrate, warn_if_delta_too_large, warn_if_noise_drowns_the_gradient
 from privacy_engine.engine.limits import check_accounted_steps
-from privacy_engine.engine.mechanism_choice import plan_auto, plan_blt
+from privacy_engine.engine.mechanism_choice import noise_vector_bytes, plan_auto, plan_blt
 from privacy_engine.engine.mode_choice import choose_grad_sample_mode
 from privacy_engine.engine.noise_plan import LoaderShape, NoiseChoice, NoisePlan
 from privacy_engine.engine.options import PrivacyOptions
@@ -354,7 +354,7 @@ def _choose_noise(options: PrivacyOptions, shape: LoaderShape, *, accountant: Ac
         return plan_blt(options, shape, seed=seed, secure_mode=secure_mode)
     if mechanism == "auto":
         # One noise vector over the trainable parameters, in the dtype the noise is drawn in.
-        parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+        parameter_bytes = noise_vector_bytes(params)
         return plan_auto(options, shape, accountant=accountant, parameter_bytes=parameter_bytes, seed=seed,
                          secure_mode=secure_mode)  # fmt: skip
     return plan_bandmf(options, shape, accountant=accountant, seed=seed, secure_mode=secure_mode)

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 _ACCEPTED = frozenset({
     "max_grad_norm", "noise_multiplier", "target_epsilon", "target_delta", "epochs", "max_epsilon",
     "loss_reduction", "noise_seed", "noise_generator", "grad_sample_mode", "noise_mechanism", "num_bands",
-    "total_steps", "num_buffers", "bandmf_coefficients",
+    "total_steps", "num_buffers", "bandmf_coefficients", "max_noise_memory",
 })  # fmt: skip
 
 #: Why a setting is refused under FSDP, where a reason helps more than "not supported".
@@ -72,6 +72,10 @@ def fsdp_options(options: PrivacyOptions, model: nn.Module) -> PrivacyOptions:
     noise_mechanism "gaussian", "bandmf",       accepted (the plan picks and builds it; each
     "blt", "auto"; num_bands, total_steps,      rank runs it on its shard, cyclic sampling)
     num_buffers, bandmf_coefficients
+    max_noise_memory (with "auto")              accepted: the budget of one rank's noise state
+                                                (each rank noises its shards only: the
+                                                candidates count the largest rank's shards,
+                                                ``mechanism_choice.noise_vector_bytes``)
     noise_mechanism=``BandMFNoise(...)`` etc.   NotImplementedError: pass the mechanism's name
     any other setting not at its default        NotImplementedError naming it (per-layer or
     except sigma, C, the target and budget,     adaptive clipping, canaries, user-level DP,
