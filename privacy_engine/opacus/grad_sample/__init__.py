@@ -16,6 +16,7 @@ layer's inputs (a tuple; Opacus 1.6 passes a list, so ``activations[0]`` works i
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from privacy_engine.capture.common import forward_with_model_signature
 from privacy_engine.capture.manual import ManualGradSampleModule
 from privacy_engine.clipping.clipper import PerSampleGradientClipper
 from privacy_engine.clipping.ghost import GhostClippingModule
-from privacy_engine.models.validation import UnsupportedModuleError
+from privacy_engine.models.validation import UnsupportedModuleError, module_label
 from privacy_engine.opacus._binding import wrapper_built
 from privacy_engine.settings_checks import check_grad_sample_mode
 
@@ -141,7 +142,12 @@ class _HooksSwitch:
 
         Guarantee: nothing computed while the hooks are off can be released: a private optimizer's
         ``step()`` after such a backward finds no per-sample gradients and raises, releasing and
-        recording nothing (the step contract, ``privacy_engine.training.step_contract``).
+        recording nothing (the step contract, ``privacy_engine.training.step_contract``). The switch
+        acts at the forward: a backward run with the hooks disabled through a forward run with them
+        enabled still gives that forward's per-sample gradients, clipped and released as usual (passes
+        over one batch are summed per example before clipping, so nothing is clipped twice; Opacus
+        raises at ``step()`` there). The fast-clipping wrapper refuses that case instead (see
+        ``GradSampleModuleFastGradientClipping``).
         """
         self._hooks_enabled = False
 
@@ -160,18 +166,38 @@ class _HooksSwitch:
 
 
 class _FastClippingHooksSwitch(_HooksSwitch):
-    """``enable_hooks()`` / ``disable_hooks()`` / ``hooks_enabled`` for the fast-clipping wrapper.
+    """``enable_hooks()`` / ``disable_hooks()`` / ``hooks_enabled`` for the fast-clipping wrapper, and the count
+    of its clipped passes for ``DPOptimizer.accumulated_iterations``.
 
     Guarantee: a training forward run with the hooks disabled is the plain model's forward (every
     gated layer, attention and ``torch.func`` fallback runs its own forward on the real parameters):
     its backward fills ``.grad`` with the plain gradient, clips nothing and captures nothing, and a
     private ``step()`` after it alone releases nothing (the step contract finds no per-sample
-    contribution and raises). A forward run with the hooks
-    enabled is clipped in its backward if the hooks are still enabled then; a backward run with the
-    hooks disabled captures and clips nothing and gives the gated parameters no gradient (Opacus's
-    second pass of its two-pass pattern: here the first pass already clipped). While the hooks are
-    disabled, a gradient reaching a parameter is the plain one and is let through (with them enabled,
-    such a gradient raises ``ParameterUsageError``).
+    contribution and raises). A forward run with the hooks enabled is clipped in its backward if the hooks
+    are still enabled then. A backward run with the hooks disabled through such a forward captures and clips
+    nothing and gives the gated parameters no gradient:
+
+    ============================================  ==================================================
+    the forward's calls that backward reaches     result
+    ============================================  ==================================================
+    all clipped already by a backward with the    nothing more (Opacus's second pass of its two-pass
+    hooks enabled (``get_clipping_coef()``, then  pattern: here the first pass already clipped, so
+    ``disable_hooks()``, then a weighted loss's   the step releases the clipped sum once)
+    backward)
+    some never clipped (the hooks were disabled   the next ``step()`` of the connected optimizer
+    before the forward's first backward)          raises ``RuntimeError`` naming the layers, before
+                                                  anything is released or counted; a later backward
+                                                  with the hooks enabled through the same forward
+                                                  clips them and lifts the refusal;
+                                                  ``optimizer.zero_grad()`` drops the open step
+                                                  (nothing of it released) and the refusal with it
+    wrapper connected to no optimizer             nothing (nothing is released from it)
+    ============================================  ==================================================
+
+    (Opacus 1.6 puts the plain, unclipped gradient of such a backward in ``.grad`` and its fast-clipping
+    optimizer releases it; its hooks-mode optimizer raises at ``step()`` as here.) While the hooks are
+    disabled, a gradient reaching a parameter is the plain one and is let through (with them enabled, such a
+    gradient raises ``ParameterUsageError``).
     """
 
     @forward_with_model_signature
@@ -194,16 +220,77 @@ class _FastClippingHooksSwitch(_HooksSwitch):
             return  # the plain gradient of a forward run with the hooks disabled
         super()._reject_gradient(name, grad)
 
-    # A backward pass run with the hooks disabled through a forward that ran with them enabled (Opacus's
-    # second pass, ``(coef * losses).sum().backward()`` after ``disable_hooks()``) captures nothing: the
-    # clipping was done in the first pass, and the gated parameters receive no gradient from this one.
+    # A backward pass run with the hooks disabled captures nothing. Through calls a backward with the hooks
+    # enabled already consumed (Opacus's second pass) that is all; a call never consumed is noted, and the
+    # connected optimizer's next step refuses (``flush_grad_samples``) unless a backward with the hooks enabled
+    # consumes it first. The note holds the call weakly (its inputs must not outlive its graph) and its label.
     def _on_output_grad(self, use: Any, grads: torch.Tensor) -> None:
         if self.hooks_enabled:
             super()._on_output_grad(use, grads)
+            self._clipped_after_all(use)
+        else:
+            self._note_unclipped(use)
 
     def _on_fallback_grad(self, use: Any, param: nn.Parameter, grads: torch.Tensor) -> None:
         if self.hooks_enabled:
             super()._on_fallback_grad(use, param, grads)
+            self._clipped_after_all(use)
+        else:
+            self._note_unclipped(use)
+
+    def _note_unclipped(self, use: Any) -> None:
+        if use.consumed or self._consumer is None:
+            return
+        unclipped = self.__dict__.setdefault("_unclipped_calls", {})
+        unclipped[id(use)] = (weakref.ref(use), module_label(use.path, use.layer))
+
+    def _clipped_after_all(self, use: Any) -> None:
+        unclipped = self.__dict__.get("_unclipped_calls")
+        if unclipped:
+            noted = unclipped.get(id(use))
+            if noted is not None and noted[0]() is use:
+                del unclipped[id(use)]
+
+    def flush_grad_samples(self) -> None:
+        """The engine's call at the start of every ``step()`` (before anything is clipped, released or counted);
+        here it first refuses a step whose forward was backpropagated only with the hooks disabled (see the
+        class docstring): that batch's examples would be silently left out of the release."""
+        unclipped = self.__dict__.get("_unclipped_calls")
+        if unclipped:
+            layers = sorted({label for _, label in unclipped.values()})
+            raise RuntimeError(
+                f"a backward pass ran with the hooks disabled (disable_hooks()) through a forward run with them "
+                f"enabled, and no backward with the hooks enabled reached the layers {', '.join(layers)} of that "
+                f"forward: their gradient was neither clipped nor captured, so this step would release the batch "
+                f"without it. Nothing was released or counted. Call optimizer.zero_grad() (it drops the open step), "
+                f"then run the batch again with the hooks enabled for its first backward (Opacus's two-pass pattern: "
+                f"backward with the hooks enabled, get_clipping_coef(), then disable_hooks() for the weighted second "
+                f"backward; or one backward through DPLossFastGradientClipping)."
+            )
+        super().flush_grad_samples()
+
+    def discard_unflushed_passes(self) -> None:
+        """The engine's call when the optimizer drops its open step (``zero_grad``): the calls noted by a backward
+        with the hooks disabled are dropped with it."""
+        self._unclipped_calls = {}
+        super().discard_unflushed_passes()
+
+    def __getstate__(self) -> dict:
+        """Pickle without the calls noted by a backward with the hooks disabled (they belong to the training
+        run, as the engine's open step does)."""
+        state = super().__getstate__()
+        state.pop("_unclipped_calls", None)
+        return state
+
+    def _clip_pass(self) -> None:
+        # The end of a backward pass: tell the connected namespace optimizer that one pass was clipped into its
+        # open step (Opacus's accumulated_iterations), once the clipper holds it.
+        state = self._passes.current
+        clipped = state is not None and state.batch is not None and self._consumer is not None
+        super()._clip_pass()
+        note = getattr(self._consumer, "_note_fast_clipping_pass", None) if clipped else None
+        if note is not None:
+            note()
 
 
 class _GradSampleListPerPass:
@@ -326,7 +413,10 @@ class GradSampleModuleFastGradientClipping(_OpacusStateDict, _FastClippingHooksS
     instead. A training forward without a clipper and without ``max_grad_norm`` raises ``RuntimeError``.
     ``p.grad_sample`` is None on every trainable parameter (Opacus's attribute; nothing is materialised). ``use_ghost_clipping`` is accepted for Opacus's
     scripts (the engine chooses per layer). ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` (Opacus's class
-    attributes) are live views of the engine's table.
+    attributes) are live views of the engine's table. ``enable_hooks()`` / ``disable_hooks()``: a backward
+    with the hooks disabled through a forward no backward with them enabled clipped makes the connected
+    optimizer's next ``step()`` raise before anything is released or counted (``_FastClippingHooksSwitch``);
+    each clipped backward pass counts in ``DPOptimizer.accumulated_iterations``.
     """
 
     GRAD_SAMPLERS = GRAD_SAMPLERS

@@ -212,6 +212,7 @@ class DPOptimizer(_DPOptimizer):
         finally:
             self._stepping = False
             self._clipped_passes = []
+            self._fast_clipping_passes = 0
         if keep:
             for param, grad_sample in kept.items():
                 if getattr(param, "grad_sample", None) is None:
@@ -240,19 +241,27 @@ class DPOptimizer(_DPOptimizer):
         if any(grads is not None for grads in waiting) and all(getattr(p, "grad_sample", None) is None for p in self.params):
             self.__dict__.setdefault("_clipped_passes", []).append(waiting)
 
+    def _note_fast_clipping_pass(self) -> None:
+        """A connected fast-clipping wrapper of this namespace clipped one backward pass into the open step (called
+        at the pass's end, once the clipper holds it; a second pass over the same rows is refused by the wrapper)."""
+        self._fast_clipping_passes = self.__dict__.get("_fast_clipping_passes", 0) + 1
+
     def _waiting_passes(self) -> int:
         """Backward passes (over distinct batches) accumulated into the open step so far: those already
-        clipped, and the last one while its per-sample gradients wait in ``grad_sample``."""
+        clipped (hooks mode: their per-sample gradients kept; fast clipping: clipped in the pass itself), and the
+        last one while its per-sample gradients wait in ``grad_sample``."""
         unflushed = any(module.has_unflushed_passes for module in self.contract.modules)
-        return len(self.__dict__.get("_clipped_passes", ())) + int(unflushed)
+        clipped = len(self.__dict__.get("_clipped_passes", ())) + self.__dict__.get("_fast_clipping_passes", 0)
+        return clipped + int(unflushed)
 
     @property
     def accumulated_iterations(self) -> int:
         """Opacus's count of accumulated loader batches. Between backward passes and ``step()``: the
         backward passes over distinct batches accumulated into the open step (Opacus's ``len(p.grad_sample)``;
-        several passes over one batch count once, their per-sample gradients being summed; fast clipping
-        keeps no per-sample gradients and is not counted here). Otherwise, and inside ``step()`` (read by
-        Opacus's accountant hook), the loader batches of the last release: the draws the engine recorded
+        several passes over one batch count once, their per-sample gradients being summed; a fast-clipping
+        wrapper's passes count too, one per clipped backward: Opacus's ``DPOptimizerFastGradientClipping``
+        answers 1 whatever was accumulated, which its accountant hook then records as one batch). Otherwise,
+        and inside ``step()`` (read by Opacus's accountant hook), the loader batches of the last release: the draws the engine recorded
         (``batches_per_step``), or its backward passes over distinct batches if more (``poisson_sampling=False``:
         k fixed-size batches, which the engine records as one draw at k times the rate, and so does the hook,
         see ``_released_disjoint_batches``); 1 for a plain step."""
@@ -287,6 +296,7 @@ class DPOptimizer(_DPOptimizer):
         """The engine's ``zero_grad``; each parameter's ``summed_grad`` (Opacus's) and the per-sample gradients
         kept for ``grad_samples`` are dropped too."""
         self._clipped_passes = []
+        self._fast_clipping_passes = 0
         super().zero_grad(set_to_none=set_to_none)
         for param in self.params:
             if getattr(param, "summed_grad", None) is not None:
