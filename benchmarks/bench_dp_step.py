@@ -95,6 +95,7 @@ from workloads import (
 
 import grad_samplers.registry as sampler_registry
 import privacy_engine.clipping.ghost.attention as ghost_clipping_module
+import privacy_engine.clipping.ghost.batched as ghost_batched
 from accountants import RDPAccountant
 from privacy_engine import GradSampleModule, connect_private
 from privacy_engine.clipping.ghost import GhostClippingModule
@@ -293,10 +294,14 @@ def profile_variant(
         timer.patch(optimizer, "step", "optimizer update")
         timer.patch(optimizer, "zero_grad", "zero_grad")
     original_foreach_div = torch._foreach_div_
+    # Rank-one linear calls are done at the end of the pass, across layers (clipping.ghost.batched).
+    stack_forms = (ghost_batched._Stack.squared_norms, ghost_batched._Stack.weighted_sums)
     total = timer.wrap("other (unattributed)", built.step)
     try:
         torch.Tensor.backward = timed_backward
         torch._foreach_div_ = timer.wrap("divide by batch size", original_foreach_div)
+        ghost_batched._Stack.squared_norms = timer.wrap("per-layer norms", stack_forms[0])
+        ghost_batched._Stack.weighted_sums = timer.wrap("weighted sums", stack_forms[1])
         for _ in range(warmup):
             total()
         per_step: list[dict[str, float]] = []
@@ -308,6 +313,7 @@ def profile_variant(
     finally:
         torch.Tensor.backward = original_backward
         torch._foreach_div_ = original_foreach_div
+        ghost_batched._Stack.squared_norms, ghost_batched._Stack.weighted_sums = stack_forms
     # Medians per phase: robust to the bursts of load a shared machine puts on single steps.
     return {
         phase: 1000.0 * statistics.median(step.get(phase, 0.0) for step in per_step)

@@ -77,6 +77,25 @@ def _embedding_lookups(
     return indices, grads
 
 
+def embedding_gradient_factors(
+    layer: nn.Embedding, activations, backprops: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example ``i``'s table gradient as a sum over its lookups: ``sum_t onehot(indices[i, t]) grads[i, t]^T``.
+
+    Returns ``(indices (B, T) long, grads (B, T, embedding_dim))``. Guarantee: scattering ``grads[i]`` to the rows
+    ``indices[i]`` gives ``embedding_grad_sample(...)[weight][i]`` exactly (the same tensors it scatters); what
+    fast clipping's tied-weight form (``clipping.ghost.tied``) pairs with another use of the same table.
+
+    ========================  =================================================
+    case                      result
+    ========================  =================================================
+    index == padding_idx      its gradient row is zero
+    scale_grad_by_freq=True   ValueError (gradient depends on other examples)
+    ========================  =================================================
+    """
+    return _embedding_lookups(layer, activations, backprops)
+
+
 def embedding_grad_sample(
     layer: nn.Embedding, activations, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:

@@ -147,6 +147,22 @@ def linear_squared_norms(
     return weight_norms, bias_norms
 
 
+def linear_gradient_factors(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example ``i``'s weight gradient ``G_i^T A_i`` as a sum over its positions, ``sum_t G_i[t] A_i[t]^T``.
+
+    Returns ``(G (B, positions, out), A (B, positions, in))``, views of the operands in their own dtypes (every
+    dimension between batch and features is a position; nothing copied, as fast clipping keeps them until the end
+    of its pass). Guarantee: ``G[i].T @ A[i]`` is ``linear_grad_sample(...)[weight][i]`` up to float rounding;
+    what fast clipping's tied-weight form (``clipping.ghost.tied``) pairs with another use of the same weight.
+    ``ValueError`` for an input of rank < 2.
+    """
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        raise batch_error("Linear", "(batch, ..., in_features)", inputs)
+    batch_size, num_positions = backprops.shape[0], math.prod(backprops.shape[1:-1])
+    grads = backprops.reshape(batch_size, num_positions, backprops.shape[-1])
+    return grads, inputs.reshape(batch_size, num_positions, inputs.shape[-1])
+
+
 def linear_weighted_sums(
     inputs: torch.Tensor, backprops: torch.Tensor, weights: torch.Tensor, *, weight: bool = True, bias: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -17,6 +17,7 @@ modes and their bounds: ``privacy_engine.clipping.config``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -37,6 +38,12 @@ from privacy_engine.clipping.per_sample_ops import (
 )
 from privacy_engine.clipping.rule import clip_factors
 from privacy_engine.clipping.stats import ClippingStats, combined_totals
+
+# torch.promote_types goes through the dispatcher (a few microseconds); the fast-clipping pass asks once per
+# parameter per pass for the same few dtypes, so the answers are kept.
+_promote_types = functools.cache(torch.promote_types)
+_norm_dtype = functools.cache(norm_dtype)
+_sum_dtype = functools.cache(sum_dtype)
 
 __all__ = ["PerSampleGradientClipper"]
 
@@ -220,7 +227,7 @@ class PerSampleGradientClipper:
         squared norms of shape ``(batch,)``. Parameters left out count as zero gradients."""
         batch_size, device, dtype = None, None, torch.float32
         for param, squared in per_param_squared_norms.items():
-            dtype = torch.promote_types(dtype, norm_dtype(squared.dtype))
+            dtype = _promote_types(dtype, _norm_dtype(squared.dtype))
             self.group_index(param)
             if squared.dim() != 1 or (batch_size is not None and squared.shape[0] != batch_size):
                 raise ValueError(
@@ -508,7 +515,7 @@ class PerSampleGradientClipper:
             # once per parameter per pass.
             if total.requires_grad or total._base is not None:
                 total = total.detach()  # kept as the accumulator (``owned``): never a view, never in a graph
-            dtype = sum_dtype(param.dtype)
+            dtype = _sum_dtype(param.dtype)
             if total.dtype != dtype or total.device != param.device:
                 total = total.to(dtype=dtype, device=param.device)
             previous = self._accumulated.get(index)

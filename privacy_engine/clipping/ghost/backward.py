@@ -31,6 +31,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from privacy_engine.clipping.ghost.batched import RankOneLinearLayers, rank_one_linear
+from privacy_engine.clipping.ghost.tied import tied_uses
 from privacy_engine.clipping.ghost.uses import (
     BackwardPass,
     Rows,
@@ -58,10 +60,16 @@ class BackwardPasses:
             users = self._users_of_pass()  # raises before the pass starts
             live = [use for use in list(passes.pending) if not use.consumed]
             shared = shared_parameters(live)
+            # A weight tied between an embedding and linear maps takes the cross-term form (tied.py), not the
+            # materialising one: its (B, V, d) per-example gradients are never formed.
+            tied = tied_uses(live, shared)
+            if tied is not None:
+                shared = shared - tied.parameters
             # Buffers of parameters no longer shared are dropped (the model or its uses changed).
             passes.buffers = {param: buffer for param, buffer in passes.buffers.items() if param in shared}
             passes.current = BackwardPass(shared, passes.buffers)
             passes.current.users = users
+            passes.current.tied = tied
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         return passes.current
 
@@ -110,7 +118,10 @@ class BackwardPasses:
         if self._passes.recomputed:
             self._passes.recomputed = False
             live = [use for use in list(self._passes.pending) if not use.consumed]
-            newly_shared = shared_parameters([*state.reached, *live]) - state.shared
+            tied = state.tied
+            if tied is not None:
+                tied.check_recomputed(live)  # a tied weight's recomputed use must have its factor form too
+            newly_shared = shared_parameters([*state.reached, *live]) - state.shared - (tied.parameters if tied else set())
             reduced = [param for param in newly_shared if param in state.squared_norms]
             if reduced:
                 names = {p: n for n, p in self._module.named_parameters()}
@@ -154,7 +165,9 @@ class BackwardPasses:
         kept_rows = batch_size if users is None else users.num_users
         per_sample_bytes = kept_rows * grads.element_size() * sum(row_numel(p, r) for p, r in use.parts)
         held_bytes = sum(tensor_bytes(value) for value in (grads, *activations))
-        keep_per_sample = per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
+        # A tied weight's uses keep their inputs and G: its cross terms are formed from them (tied.py).
+        tied = state.tied is not None and state.tied.touches(use)
+        keep_per_sample = not tied and per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
         # A user's norm needs the cross terms between its examples: a norm form that does not take a user's
         # rows stacked cannot give it, so those layers form their per-example gradients and sum them per user.
         no_user_norm_form = users is not None and not use.stacks_users
@@ -174,6 +187,14 @@ class BackwardPasses:
             weighted_sums = use.sums if use.norms is not None else partial(_weighted_sum_by_materialising, use.grads)
             state.deferred.append((use, weighted_sums, activations, grads))
             return
+        if use.rank_one_linear and users is None and not tied:
+            call = rank_one_linear(use, activations, grads)
+            if call is not None:
+                # Norm and sum both formed at the end of the pass, with the other rank-one linear calls (batched.py).
+                if state.rank_one_linear is None:
+                    state.rank_one_linear = RankOneLinearLayers()
+                state.rank_one_linear.add(call, state.squared_norms)
+                return
         if users is not None:
             if batch_size != users.num_rows:
                 self._per_user(state, use, grads)  # raises: the layer saw other rows than the ticket's
@@ -183,6 +204,8 @@ class BackwardPasses:
         else:
             squared = use.norms(activations, grads)
             check_sampler_result("norm", use, squared, lambda p, r: (batch_size,))
+        if tied:
+            state.tied.add(use, activations, grads, users)  # its cross terms with the weight's other uses
         for param, _ in use.parts:
             state.add_squared(param, squared[param])
         state.deferred.append((use, use.sums, activations, grads))
@@ -234,7 +257,7 @@ class BackwardPasses:
             factors = clipper.clip_factors_for_norms(norms, padding_mask=padding_mask)
             # A zero factor does not cancel a NaN/Inf in that example's rows: zero them (only needed
             # when some norm is non-finite, as every entry then shows in its norm).
-            drop_non_finite = not bool(torch.isfinite(norms).all())
+            drop_non_finite = _may_hold_non_finite(norms)
             weights = factors * scale
             sums = _clipped_sums(state, group_of, weights, drop_non_finite)
             self.last_per_sample_norms = norms
@@ -249,7 +272,11 @@ class BackwardPasses:
         """The per-example group norms ``(batch, num_groups)`` of everything ``state`` gathered, from the
         gradients as kept (the loss reduction's factor and the loss scale not yet applied), and the clipping
         group (``clipper.group_index``) of each parameter the pass reached."""
+        if state.rank_one_linear is not None:
+            state.rank_one_linear.squared_norms(state.squared_norms)  # fills the entries reserved in backward
         squared = dict(state.squared_norms)
+        if state.tied is not None:
+            state.tied.add_cross_terms(squared)  # and drops the tied uses' factors
         for param, grads in state.materialised.items():
             # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
             # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D. Float32 at least.
@@ -272,6 +299,15 @@ class BackwardPasses:
         return clipper.group_norms_from_squared(group_squares), group_of
 
 
+def _may_hold_non_finite(norms: torch.Tensor) -> bool:
+    """Whether the rows of examples whose factor is 0 must be zeroed before the sums (True when a norm is
+    NaN/Inf: a zero factor does not cancel a NaN/Inf). On CPU the check is free; on another device it would
+    wait for the device (a host sync every pass), so there rows are always zeroed where the factor is 0: the same
+    sums (those rows add zero either way; at most the sign of an exact zero differs), at the price of one ``where``
+    per kept tensor (``tests/test_ghost_batched.py`` checks the equality on CPU, ``tests/test_cuda_paths.py`` on CUDA)."""
+    return norms.device.type != "cpu" or not bool(torch.isfinite(norms).all())
+
+
 def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, grads: torch.Tensor, weights: torch.Tensor):
     """``sum_i weights[i] g_i`` through a grad sampler: per-example gradients are linear in the output
     gradient, so those of ``weights[i] * G_i`` summed over examples are the weighted sum."""
@@ -288,7 +324,19 @@ def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, dr
     sums: dict[nn.Parameter, torch.Tensor] = {}
     # Each group's weights (and kept rows) are the same for every layer: taken once per pass, not per layer.
     deferred_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def weights_of_column(column: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cached = deferred_weights.get(column)
+        if cached is None:
+            column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
+            cached = deferred_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
+        return cached
+
     deferred, state.deferred = state.deferred, []
+    if state.rank_one_linear is not None:
+        unbatched: list = []  # (use, activations, G) of calls whose weight and bias sit in different groups
+        state.rank_one_linear.weighted_sums(weights_of_column, sums, group_of, unbatched)
+        deferred.extend((use, use.sums, activations, grads) for use, activations, grads in unbatched)
     deferred.reverse()
     while deferred:
         # Popped one at a time so each layer's inputs and output gradient are freed as soon as
@@ -298,11 +346,7 @@ def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, dr
         for param, rows in use.parts:
             columns.setdefault(group_of[param], []).append((param, rows))
         for column, parts in columns.items():
-            cached = deferred_weights.get(column)
-            if cached is None:
-                column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
-                cached = deferred_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
-            column_weights, keep = cached
+            column_weights, keep = weights_of_column(column)
             column_activations, column_grads = activations, grads
             if drop_non_finite:
                 column_activations = tuple(zero_rows(a, keep) for a in activations)
@@ -313,11 +357,17 @@ def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, dr
                 add_rows(sums, param, rows, result[param])
         del use, weighted_sums, activations, grads, column_activations, column_grads, result
     materialised, state.materialised = state.materialised, {}
+    materialised_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per column, as deferred_weights
     while materialised:
         param, grads = materialised.popitem()
-        column_weights = weights[:, group_of[param]]
+        column = group_of[param]
+        cached = materialised_weights.get(column)
+        if cached is None:
+            column_weights = weights[:, column]
+            cached = materialised_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
+        column_weights, keep = cached
         if drop_non_finite:
-            grads = zero_rows(grads, column_weights != 0)
+            grads = zero_rows(grads, keep)
         add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))
         del grads
     return sums

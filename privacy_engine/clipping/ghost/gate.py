@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grad_samplers import norm_sampler_for, weighted_sum_sampler_for
+from grad_samplers.linear import linear_norm_sample, linear_weighted_sum
 from grad_samplers.registry import GradSampler
 from privacy_engine.capture.batch_size import expand_batch
 from privacy_engine.capture.patched_forward import PatchedForward
@@ -76,6 +77,21 @@ class _OutputGate(torch.autograd.Function):
         return (None, None, grad) + (None,) * ctx.num_params
 
 
+# ``Function.apply``'s own Python (binding default arguments, functorch's unwrapping of dead wrappers) costs a few
+# microseconds per gated call. Outside functorch transforms ``_apply_gate`` calls the C entry point it ends in,
+# after the same unwrapping; inside them (or on a torch without that entry point), ``Function.apply`` itself.
+try:
+    _apply_directly = torch._C._FunctionBase.__dict__["apply"].__get__(None, _OutputGate)
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+except (AttributeError, KeyError):  # pragma: no cover (torch internals moved)
+    _apply_directly = _unwrap_if_dead = None
+
+
+def _apply_gate(on_output_grad, in_place: bool, output: torch.Tensor, params: list) -> torch.Tensor:
+    if _apply_directly is None or torch._C._are_functorch_transforms_active():
+        return _OutputGate.apply(on_output_grad, in_place, output, *params)
+    return _apply_directly(on_output_grad, in_place, _unwrap_if_dead(output), *map(_unwrap_if_dead, params))
+
 
 class GatedLayers:
     """Mixin: replace a sampled layer's forward by its gated form."""
@@ -92,8 +108,7 @@ class GatedLayers:
             if recompute == REENTRANT:
                 self._prepare_recompute_pass()
             self._passes.pending.add(use)
-        params = tuple(param for param, _ in use.parts)
-        return _OutputGate.apply(partial(self._on_output_grad, use), in_place, output, *params)
+        return _apply_gate(partial(self._on_output_grad, use), in_place, output, [param for param, _ in use.parts])
 
     def _gate_output(self, use: Use, output: torch.Tensor, safe_type: bool, args: tuple) -> torch.Tensor:
         """Gate ``output`` in place when that is safe, through its base when it is a plain reshape of
@@ -120,16 +135,18 @@ class GatedLayers:
 
     @staticmethod
     def _gate_samplers(layer: nn.Module, sampler: GradSampler) -> tuple:
-        """(norms, sums, grads, stacked) of ``layer``: its samplers bound to it, in float32 at least (see
-        in_float32); norms and sums None without a norm form; ``stacked``: its norm form gives a user's norm from
-        the user's rows stacked (``clipping.per_user.stacks_users``)."""
+        """(norms, sums, grads, stacked, rank_one) of ``layer``: its samplers bound to it, in float32 at least
+        (see in_float32); norms and sums None without a norm form; ``stacked``: its norm form gives a user's norm
+        from the user's rows stacked (``clipping.per_user.stacks_users``); ``rank_one``: an ``nn.Linear`` with the
+        built-in norm and weighted-sum forms, whose rank-one calls ``clipping.ghost.batched`` may do instead."""
         norm_sampler = norm_sampler_for(layer)
         sum_sampler = weighted_sum_sampler_for(layer)
         has_norm_form = norm_sampler is not None and sum_sampler is not None
         norms = in_float32(partial(norm_sampler, layer)) if has_norm_form else None
         sums = in_float32(partial(sum_sampler, layer)) if has_norm_form else None
         stacked = has_norm_form and stacks_users(layer, norm_sampler)
-        return norms, sums, in_float32(partial(sampler, layer)), stacked
+        rank_one = type(layer) is nn.Linear and norm_sampler is linear_norm_sample and sum_sampler is linear_weighted_sum
+        return norms, sums, in_float32(partial(sampler, layer)), stacked, rank_one
 
     def _gated_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
         """The forward of a sampled layer (``patched.module``): its output through the gate."""
@@ -145,7 +162,7 @@ class GatedLayers:
             return original(*args, **kwargs)
         if patched.derived is None:
             patched.derived = self._gate_samplers(layer, patched.context["sampler"])
-        norms, sums, grads, stacked = patched.derived
+        norms, sums, grads, stacked, rank_one = patched.derived
         if kwargs:
             bound = inspect.signature(original).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -185,5 +202,6 @@ class GatedLayers:
             grads=grads,
             batch_dim=dim,
             stacks_users=stacked,
+            rank_one_linear=rank_one,
         )
         return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args)

@@ -76,6 +76,7 @@ class Use:
     generation: int = 0  # the training forward this call belongs to (see StepContractBinding._check_live)
     batch_dim: int = 0
     stacks_users: bool = False
+    rank_one_linear: bool = False  # an nn.Linear with the built-in samplers: see batched.rank_one_linear
 
 
 def shared_parameters(uses: Sequence[Use]) -> set:
@@ -122,6 +123,11 @@ class BackwardPass:
         self.reached: list[Use] = []  # the calls whose backward ran in this pass (sharing with recomputed calls)
         # A user-level pass (clipping.per_user.UserRows): norms, factors and materialised gradients are per user.
         self.users: UserRows | None = None
+        # Weights tied between an embedding and linear maps (``tied.TiedUses``): their uses run as unshared ones,
+        # the cross terms between them are added to the norms at the end. None: no such weight in this pass.
+        self.tied = None
+        # The pass's rank-one linear calls (``batched.RankOneLinearLayers``), done together at its end; None: none yet.
+        self.rank_one_linear = None
 
     def note_batch(self, use: Use, batch_size: int) -> None:
         """Record the batch size of a layer the pass reached; ``ValueError`` if it differs from the first
@@ -268,8 +274,8 @@ def row_numel(param: nn.Parameter, rows: Rows) -> int:
 def zero_rows(value, keep: torch.Tensor):
     """``value`` with the rows of dropped examples set to 0 (floating tensors with a batch axis only)."""
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0 and value.shape[0] == keep.shape[0]:
-        mask = keep.to(value.device).view(-1, *([1] * (value.dim() - 1)))
-        return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        mask = (keep if keep.device == value.device else keep.to(value.device)).view(-1, *([1] * (value.dim() - 1)))
+        return torch.where(mask, value, 0.0)  # a Python 0: no zero tensor made (a kernel launch on a GPU)
     return value
 
 
