@@ -137,6 +137,7 @@ class BackwardPasses:
 
     def _on_output_grad(self, use: Use, grads: torch.Tensor) -> None:
         self._check_live(use.generation)
+        self._refuse_second_pass(use)
         activations = use.activations
         if activations is None:
             raise RuntimeError(
@@ -212,12 +213,36 @@ class BackwardPasses:
 
     def _on_fallback_grad(self, use: Use, param: nn.Parameter, grads: torch.Tensor) -> None:
         self._check_live(use.generation)
+        self._refuse_second_pass(use)
         state = self._pass_for_backward()
         if not use.consumed:
             state.reached.append(use)
         use.consumed = True
         state.note_batch(use, grads.shape[0])
         state.add_materialised(param, None, self._per_user(state, use, grads))
+
+    @staticmethod
+    def _refuse_second_pass(use: Use) -> None:
+        """``RuntimeError`` before anything of the pass is kept when ``use``'s forward already had a backward pass
+        clipped (two heads of one forward, two losses, two ``backward()`` calls): each pass clips its examples on
+        what that pass reached, so together one example could move the release by up to 2 C. Hooks mode sums the
+        passes per example before clipping instead."""
+        if use.forward_clipped:
+            raise RuntimeError(
+                f"{module_label(use.path, use.layer)}: a second backward pass through one forward (ghost clipping). "
+                f"An earlier backward already clipped this forward's examples without reaching this layer; clipping "
+                f"them again would let one example move the release by up to 2 x max_grad_norm. Nothing of this pass "
+                f"was kept. Add the losses and call backward once ((loss_a + loss_b).backward()), or use "
+                f"grad_sample_mode='hooks' (which sums the passes per example before clipping)."
+            )
+
+    def _mark_forwards_clipped(self, state: BackwardPass) -> None:
+        """After a pass was clipped: mark the calls of its forwards that it did not reach (see
+        ``_refuse_second_pass``). A call no later backward reaches (an output left out of the loss) is harmless."""
+        generations = {use.generation for use in state.reached}
+        for use in list(self._passes.pending):
+            if not use.consumed and use.generation in generations:
+                use.forward_clipped = True
 
     def _finish_pass(self) -> None:
         try:
@@ -267,6 +292,7 @@ class BackwardPasses:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
             if ticket is not None:
                 self._consumer.contract.contributed(ticket)
+        self._mark_forwards_clipped(state)
 
     def _group_norms_of_pass(self, state: BackwardPass, clipper) -> tuple[torch.Tensor, dict[nn.Parameter, int]]:
         """The per-example group norms ``(batch, num_groups)`` of everything ``state`` gathered, from the

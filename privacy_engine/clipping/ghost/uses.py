@@ -77,6 +77,9 @@ class Use:
     batch_dim: int = 0
     stacks_users: bool = False
     rank_one_linear: bool = False  # an nn.Linear with the built-in samplers: see batched.rank_one_linear
+    # An earlier backward pass through this call's forward was clipped without reaching it: a backward reaching it
+    # now would clip that forward's examples a second time (see BackwardPasses._refuse_second_pass).
+    forward_clipped: bool = False
 
 
 def shared_parameters(uses: Sequence[Use]) -> set:
