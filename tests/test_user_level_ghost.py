@@ -199,7 +199,7 @@ def test_one_row_and_more_rows_than_a_user_owns_match_the_loop(k):
 @pytest.mark.parametrize("ratio", [0.0, math.inf])
 def test_a_tiny_gpt2_clips_each_user_once_in_ghost_mode(ratio):
     """HF Conv1D projections and LayerNorms (stacked users), the tied wte / lm_head (a shared parameter:
-    materialised and summed per user), the position embedding (shared by the examples, broadcast)."""
+    its uses' forms plus cross terms, per user), the position embedding (shared by the examples, broadcast)."""
     check_against_the_loop("gpt2", ratio=ratio, k=2, steps=1)
 
 

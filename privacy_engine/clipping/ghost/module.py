@@ -19,9 +19,12 @@ wrapper and its clipper.
   gradients take at most ``per_sample_memory_ratio`` times the memory of its inputs and ``G``, they are
   formed instead (the grad sampler), reduced to norms and kept, and the inputs and ``G`` freed: forming
   them costs about one weight-gradient product, which the sum then no longer needs (conv layers with
-  few input channels, LayerNorm, short-sequence projections). A parameter used more than once in the
-  forward (tied weights, a layer called twice: its norm needs cross terms between the uses) always has
-  its per-example gradients formed, summed over the uses, and reduced. A layer with a grad sampler but
+  few input channels, LayerNorm, short-sequence projections). A weight shared only by whole-weight
+  ``nn.Embedding`` and ``nn.Linear`` uses, one of them an embedding (tied input embedding and LM head), gets
+  its norm from each use's own form plus the cross terms between the uses and its sum from each use's own
+  weighted sum, never its per-example gradients (``clipping.ghost.tied``). Any other parameter used more than
+  once in the forward (a layer called twice, row blocks of attention) has its per-example gradients formed,
+  summed over the uses, and reduced. A layer with a grad sampler but
   no norm sampler forms them, reduces them and, if they are large, frees them (its sum is formed again
   at the end from the kept inputs and ``G``).
 - At the end of backward (a callback queued on the autograd engine), every norm is known: the
@@ -97,8 +100,12 @@ class GhostClippingModule(GatedLayers, AttentionDecomposition, BackwardPasses, G
     ================================  ==========================================================
     case                              behaviour
     ================================  ==========================================================
-    parameter shared by layers /      its per-example gradients are materialised over all uses
-    layer called twice                (exact cross terms), then reduced
+    weight tied by embedding(s) and   each use's own norm form plus the cross terms between the
+    linear head(s)                    uses, each use's own sum: never materialised (``tied``)
+    other parameter shared by layers  its per-example gradients are materialised over all uses
+    / layer called twice              (exact cross terms), then reduced
+    two backward calls through one    the second refused (``RuntimeError``) before anything of it
+    forward (two heads, two losses)   is kept: it would clip the examples again
     layer without norm sampler        its per-example gradients materialised, reduced (kept or
                                       freed by ``per_sample_memory_ratio``)
     module without any sampler        ``torch.func`` fallback, materialised
