@@ -5,13 +5,15 @@ Baseline per step: one ``torch.randn`` over all parameters plus ``b - 1`` multip
 stored history into it (what any streaming BandMF must at least do). BandMFNoise additionally
 writes the ring-buffer slot and adds the noise into the parameter tensors. Target: ratio <= 1.2.
 
-``--streams``: one ``GaussianNoise.add_noise_`` step (draw and add into the parameter tensors, no
-prefetch) on the serial stream (``"mt19937"``) and on the counter stream (``"counter-v1"``), against
-``torch.randn(out=...)`` of the same size (the floor: torch's own serial draw), at 1M, 10M and 100M
-parameters (``--quick``: 1M, 10M), at 1 and 2 torch threads, all interleaved in each round (the thread
-count switched within the round); ratios are medians over rounds of (time / 1-thread randn of the
-same round). The ``draw`` column is the counter stream's draw alone (no add): the counter step's excess over
-it is the add into the tensors.
+``--streams``: one ``GaussianNoise.add_noise_(..., divide_by=B)`` step (draw, add into the parameter tensors
+and divide by the expected batch size, as ``DPOptimizer`` does; no prefetch) on the serial stream
+(``"mt19937"``) and on the counter stream (``"counter-v1"``), against ``torch.randn(out=...)`` of the same
+size (the floor: torch's own serial draw), at 1M, 10M and 100M parameters (``--quick``: 1M, 10M), at 1 and
+2 torch threads, all interleaved in each round (the thread count switched within the round); ratios are
+medians over rounds of (time / 1-thread randn of the same round). The ``draw`` column is the counter
+stream's draw alone (no add): the counter step's excess over it is the add into the tensors. ``r+add``:
+``torch.randn(out=)`` then one ``add_`` of it into a tensor of the same size, the least a serial draw
+that is added to the gradients costs (the add is one read and one write of the gradients in memory).
 
     python benchmarks/bench_noise.py [--quick] [--streams]
 """
@@ -33,6 +35,8 @@ from privacy_engine.noise.counter_stream import STREAM_COUNTER, STREAM_MT, draw_
 
 # A model's parameters are many tensors of mixed sizes; split the total the same way.
 TENSOR_FRACTIONS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.002]
+EXPECTED_BATCH_SIZE = 256.0  # --streams: the step divides by it, as DPOptimizer does (add_noise_'s divide_by)
+SETTLE_SECONDS = 0.03  # --streams: pause before each timed step (see stream_table)
 
 
 def synchronize(device: torch.device) -> None:
@@ -86,17 +90,23 @@ def baseline_step(total: int, bands: int, device: torch.device):
 def stream_steps(total: int) -> dict:
     """The ``--streams`` table's step functions for ``total`` parameters (CPU, float32): ``draw`` is the counter
     stream's draw alone (``draw_counter_noise`` into a buffer, no add), so ``counter - draw`` is what adding costs."""
-    floor_out = torch.empty(total)
+    floor_out, floor_target = torch.empty(total), torch.zeros(total)
     floor_generator = torch.Generator().manual_seed(0)
     tensors = parameter_tensors(total, torch.device("cpu"))
     serial = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_MT)
     counter = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_COUNTER)
     draw_out, key = torch.empty(total), stream_key(0, 0)
+
+    def floor_and_add() -> None:
+        torch.randn(total, out=floor_out, generator=floor_generator)
+        floor_target.add_(floor_out)
+
     return {
         "randn": lambda: torch.randn(total, out=floor_out, generator=floor_generator),
-        "serial": lambda: serial.add_noise_(tensors, 1.0, 1.0),
-        "counter": lambda: counter.add_noise_(tensors, 1.0, 1.0),
+        "serial": lambda: serial.add_noise_(tensors, 1.0, 1.0, divide_by=EXPECTED_BATCH_SIZE),
+        "counter": lambda: counter.add_noise_(tensors, 1.0, 1.0, divide_by=EXPECTED_BATCH_SIZE),
         "draw": lambda: draw_counter_noise(draw_out, None, [key], 0, 1.0),
+        "r+add": floor_and_add,
     }
 
 
@@ -108,7 +118,8 @@ def stream_table(
     it is the total work, not the wall time)."""
     header = (
         f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'counter ms':>11} {'draw ms':>8} "
-        f"{'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11} {'draw/r1':>8}"
+        f"{'r+add ms':>9} {'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11} {'draw/r1':>8} {'r+add/r1':>9} "
+        f"{'ctr/ser1':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -120,20 +131,27 @@ def stream_table(
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 for name, step in steps.items():
+                    # A step at 2 threads that opened torch's OpenMP team leaves its worker spinning for a few ms
+                    # (libgomp's default wait policy): without the pause that spin is charged to the next step
+                    # (its CPU time, or a core taken from it), e.g. to the 1-thread randn of the next round.
+                    time.sleep(SETTLE_SECONDS)
                     start = clock()
                     step()
                     if round_index:
                         times[name, threads].append(clock() - start)
         torch.set_num_threads(saved_threads)
         floor_1 = times["randn", thread_counts[0]]
+        serial_1 = times["serial", thread_counts[0]]
         for threads in thread_counts:
             row = [times[name, threads] for name in steps]
             ratios = [statistics.median(a / b for a, b in zip(values, floor_1)) for values in row]
+            # ctr/ser1: the counter step against the serial step at the first thread count, same round.
+            ratios.append(statistics.median(a / b for a, b in zip(times["counter", threads], serial_1)))
             print(
                 f"{total / 1e6:>6.0f}M {threads:>7} "
-                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11, 8)))
+                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11, 8, 9)))
                 + " "
-                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11, 8))),
+                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11, 8, 9, 9))),
                 flush=True,
             )
 

@@ -7,9 +7,11 @@ check that passes once passes always; the rates say how unlikely a correct strea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -35,8 +37,8 @@ def _steps(mechanism, count, shapes=SHAPES, **kwargs):
     return out
 
 
-class _Threads:
-    """torch.set_num_threads inside a test, restored after."""
+class _Threads(contextlib.ContextDecorator):
+    """torch.set_num_threads inside a test (a ``with`` block or the whole test as a decorator), restored after."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -446,3 +448,251 @@ def test_a_sharded_run_refuses_the_counter_stream_saying_why():
     options = PrivacyOptions(noise_multiplier=1.0, max_grad_norm=1.0, noise_stream=COUNTER)
     with pytest.raises(NotImplementedError, match="noise_stream='counter-v1'.*serial stream"):
         fsdp_options(options, torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- the draw added chunk by chunk (issue 25)
+# Sizes that put tensor boundaries inside chunks, a tensor spanning several chunks, one shorter than a piece, and an
+# empty one.
+CHUNKED_SHAPES = [
+    (cs.CHUNK_NUMEL + 5,),
+    (0,),
+    (3, 7),
+    (2 * cs.CHUNK_NUMEL + cs.GRAIN_NUMEL + 11,),
+    (cs.CHUNK_NUMEL - 1,),
+]
+
+
+def _chunked_reference(seed: int, step: int, gradients: list[torch.Tensor], std: float, divide_by: float | None):
+    """What a counter-stream step must release, built without the chunked path: the whole flat noise vector from
+    ``draw_counter_noise``, added to each gradient in one add, then divided in one division."""
+    numel = sum(g.numel() for g in gradients)
+    noise = torch.empty(numel, dtype=gradients[0].dtype)
+    cs.draw_counter_noise(noise, None, [cs.stream_key(seed, 0)], step, std)
+    out, offset = [], 0
+    for gradient in gradients:
+        added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
+        out.append(added if divide_by is None else added / divide_by)
+        offset += gradient.numel()
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_chunked_add_releases_the_bits_of_one_draw_one_add_and_one_division(threads, dtype):
+    generator = torch.Generator().manual_seed(threads)
+    mechanism = GaussianNoise(seed=6, noise_stream=COUNTER, prefetch=False)
+    with _Threads(threads):
+        for step, divide_by in enumerate([None, 37.0, 3.0]):
+            gradients = [torch.randn(shape, generator=generator, dtype=dtype) for shape in CHUNKED_SHAPES]
+            expected = _chunked_reference(6, step, gradients, 1.3 * 0.7, divide_by)
+            group_targets = [g.clone() for g in gradients]
+            if step:
+                assert mechanism._draws_into_tensors(mechanism._groups[0], group_targets) == (threads > 1)
+            mechanism.add_noise_(group_targets, 1.3, 0.7, divide_by=divide_by)
+            assert all(torch.equal(a, b) for a, b in zip(group_targets, expected)), (step, divide_by)
+    assert (mechanism._groups[0].add_plan is not None) == (threads > 1)  # the chunked path ran (one thread: not)
+
+
+@_Threads(2)
+def test_the_chunked_add_is_kept_out_where_the_noise_vector_is_needed_or_the_ops_would_differ():
+    n = cs.CHUNK_NUMEL
+    with _Threads(1):  # one thread: one draw, one add
+        one = GaussianNoise(seed=1, noise_stream=COUNTER, prefetch=False)
+        one.add_noise_([torch.zeros(n), torch.zeros(4, 3)], 1.0, 1.0)
+        assert not one._draws_into_tensors(one._groups[0], [torch.zeros(n), torch.zeros(4, 3)])
+    gaussian = GaussianNoise(seed=1, noise_stream=COUNTER, prefetch=False)
+    gaussian.add_noise_([torch.zeros(n), torch.zeros(4, 3)], 1.0, 1.0)
+    group = gaussian._groups[0]
+    assert gaussian._draws_into_tensors(group, [torch.zeros(n), torch.zeros(4, 3)])
+    assert not gaussian._draws_into_tensors(group, [torch.zeros(n), torch.zeros(3, 4).t()])  # not contiguous
+    assert not gaussian._draws_into_tensors(group, [torch.zeros(n), torch.zeros(4, 3, dtype=torch.float64)])
+    small = GaussianNoise(seed=1, noise_stream=COUNTER, prefetch=False)
+    small.add_noise_([torch.zeros(n)], 1.0, 1.0)
+    assert not small._draws_into_tensors(small._groups[0], [torch.zeros(n)])  # one chunk
+    from privacy_engine.noise.mechanism import SERIAL_CHUNK_NUMEL
+
+    big = [torch.zeros(SERIAL_CHUNK_NUMEL + 1)]
+    serial = GaussianNoise(seed=1, prefetch=False)
+    serial.add_noise_(big, 1.0, 1.0)
+    with _Threads(1):  # the serial stream's draw and add share one thread: one draw, one add
+        assert not serial._draws_into_tensors(serial._groups[0], big)
+    with _Threads(2):  # one thread draws, another adds
+        assert serial._draws_into_tensors(serial._groups[0], big)
+        small = GaussianNoise(seed=1, prefetch=False)
+        small.add_noise_([torch.zeros(SERIAL_CHUNK_NUMEL)], 1.0, 1.0)
+        assert not small._draws_into_tensors(small._groups[0], [torch.zeros(SERIAL_CHUNK_NUMEL)])  # one chunk
+        secure = GaussianNoise(secure_mode=True, prefetch=False)
+        secure.add_noise_(big, 1.0, 1.0)
+        assert not secure._draws_into_tensors(secure._groups[0], big)  # four generators summed
+    bandmf = BandMFNoise([1.0, 0.5], seed=1, noise_stream=COUNTER, prefetch=False)
+    bandmf.add_noise_([torch.zeros(10)], 1.0, 1.0)
+    assert not bandmf._draws_into_tensors(bandmf._groups[0], [torch.zeros(10)])  # forms and keeps its noise
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_serial_stream_drawn_by_one_thread_and_added_by_another_releases_the_same_bits(threads, dtype):
+    from privacy_engine.noise.layout import _derived_seed
+    from privacy_engine.noise.mechanism import SERIAL_CHUNK_NUMEL
+
+    # Tensor boundaries inside chunks, and a last chunk of 9 entries (joined to the one before: torch draws fewer
+    # than 16 values another way).
+    shapes = [(SERIAL_CHUNK_NUMEL + 5,), (0,), (3, 7), (SERIAL_CHUNK_NUMEL - 17,)]  # 2 chunks and 9 entries
+    reference = torch.Generator().manual_seed(_derived_seed(6, 0, 0))  # the serial stream, written out
+    generator = torch.Generator().manual_seed(threads)
+    mechanism = GaussianNoise(seed=6, prefetch=False)
+    with _Threads(threads):
+        for step, divide_by in enumerate([None, 37.0, 3.0]):
+            gradients = [torch.randn(shape, generator=generator, dtype=dtype) for shape in shapes]
+            noise = torch.empty(sum(g.numel() for g in gradients), dtype=dtype)
+            noise.normal_(0.0, 1.3 * 0.7, generator=reference)
+            expected, offset = [], 0
+            for gradient in gradients:
+                added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
+                expected.append(added if divide_by is None else added / divide_by)
+                offset += gradient.numel()
+            mechanism.add_noise_(gradients, 1.3, 0.7, divide_by=divide_by)
+            assert all(torch.equal(a, b) for a, b in zip(gradients, expected)), (step, divide_by)
+        assert torch.equal(mechanism._groups[0].generators[0].get_state(), reference.get_state())
+        assert (mechanism._groups[0].add_plan is not None) == (threads > 1)
+
+
+def test_a_mixed_dtype_step_on_the_counter_stream_adds_the_drawn_noise():
+    # Not chunked (a float32 tensor in a float64 group gets the noise converted): the one draw, added as before.
+    mechanism = GaussianNoise(seed=9, noise_stream=COUNTER, prefetch=False)
+    tensors = [torch.zeros(cs.CHUNK_NUMEL + 9, dtype=torch.float64), torch.zeros(6)]
+    mechanism.add_noise_(tensors, 1.0, 1.0, divide_by=4.0)
+    noise = torch.empty(cs.CHUNK_NUMEL + 15, dtype=torch.float64)
+    cs.draw_counter_noise(noise, None, [cs.stream_key(9, 0)], 0, 1.0)
+    assert torch.equal(tensors[0], noise[: cs.CHUNK_NUMEL + 9] / 4.0)
+    assert torch.equal(tensors[1], noise[cs.CHUNK_NUMEL + 9 :].float() / 4.0)
+
+
+@pytest.mark.parametrize("keys", [1, 4])
+def test_draw_counter_chunks_hands_over_the_chunks_draw_counter_noise_draws(keys):
+    stream_keys = [cs.stream_key(30 + number, 0) for number in range(keys)]
+    numel = 3 * cs.CHUNK_NUMEL + 100
+    whole, scratch = torch.empty(numel), torch.empty(numel)
+    cs.draw_counter_noise(whole, scratch, stream_keys, 5, 2.0)
+    for threads in (1, 2):
+        seen = {}
+
+        def consume(index, chunk, seen=seen):
+            seen[index] = chunk.clone()  # the buffer is drawn over again after consume returns
+
+        cs.draw_counter_chunks(numel, torch.float32, stream_keys, 5, 2.0, consume, threads=threads)
+        assert sorted(seen) == list(range(4))
+        for index, (start, end) in enumerate(cs.chunk_bounds(numel)):
+            assert torch.equal(seen[index], whole[start:end])
+    calls = []
+    cs.draw_counter_chunks(0, torch.float32, stream_keys, 5, 2.0, lambda *args: calls.append(args))
+    assert not calls
+    with pytest.raises(ValueError, match="step"):
+        cs.draw_counter_chunks(10, torch.float32, stream_keys, -1, 2.0, lambda *args: None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_consumer_that_raises_stops_the_draw_and_its_error_is_raised(threads):
+    consumed = []
+
+    def consume(index, chunk):
+        consumed.append(index)
+        if len(consumed) == 2:
+            raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        cs.draw_counter_chunks(40 * cs.CHUNK_NUMEL, torch.float32, [cs.stream_key(1, 0)], 0, 1.0, consume,
+                               threads=threads)  # fmt: skip
+    assert len(consumed) < 40  # no chunk started after the failure (at most one per other thread was under way)
+
+
+@_Threads(2)
+def test_a_failed_chunked_step_leaves_the_mechanism_as_it_was():
+    reference = GaussianNoise(seed=12, noise_stream=COUNTER, prefetch=False)
+    mechanism = GaussianNoise(seed=12, noise_stream=COUNTER, prefetch=False)
+    shapes = [(2 * cs.CHUNK_NUMEL,), (7,)]
+    _steps(reference, 1, shapes)
+    _steps(mechanism, 1, shapes)
+    original = cs.draw_counter_chunks
+
+    def failing(numel, dtype, keys, step, std, consume, **kwargs):
+        def consume_then_fail(index, chunk):
+            consume(index, chunk)
+            raise RuntimeError("injected")
+
+        original(numel, dtype, keys, step, std, consume_then_fail, **kwargs)
+
+    cs.draw_counter_chunks = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            mechanism.add_noise_([torch.zeros(s) for s in shapes], 1.0, 1.0)
+    finally:
+        cs.draw_counter_chunks = original
+    assert mechanism.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(_steps(mechanism, 2, shapes), _steps(reference, 2, shapes)))
+
+
+def test_the_add_plan_cuts_no_piece_across_a_tensor_or_a_chunk_and_none_above_the_grain():
+    from privacy_engine.noise.layout import _add_plan
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        numels = [int(n) for n in rng.integers(0, 3 * cs.CHUNK_NUMEL, size=rng.integers(1, 6))]
+        if sum(numels) == 0:
+            continue
+        bounds = cs.chunk_bounds(sum(numels))
+        plan = _add_plan(numels, bounds, cs.GRAIN_NUMEL)
+        starts, offset = [], 0  # each piece's flat start, in layout order
+        for numel, sizes in zip(numels, plan.tensor_piece_sizes):
+            assert sum(sizes) == numel and all(0 < size <= cs.GRAIN_NUMEL for size in sizes)
+            for size in sizes:
+                starts.append((offset, size))
+                offset += size
+        for (start, end), (first, last), sizes in zip(bounds, plan.chunk_pieces, plan.chunk_piece_sizes):
+            assert sum(sizes) == end - start
+            assert [size for _, size in starts[first:last]] == list(sizes)
+            assert starts[first][0] == start
+        assert plan.chunk_pieces[-1][1] == len(starts)
+
+
+def test_a_failed_add_on_the_serial_streams_add_thread_leaves_the_mechanism_as_it_was(monkeypatch):
+    shapes = [(600_000,), (7,)]  # three chunks of the serial stream's draw
+    reference = GaussianNoise(seed=12, prefetch=False)
+    mechanism = GaussianNoise(seed=12, prefetch=False)
+    with _Threads(2):
+        _steps(reference, 1, shapes)
+        _steps(mechanism, 1, shapes)
+        real, calls, finished = torch._foreach_div_, [], []
+
+        def fails_on_the_second_chunk(tensors, divisor):
+            calls.append(len(tensors))
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            if len(calls) == 3:
+                time.sleep(0.2)  # the last add is still running when the second one fails
+            real(tensors, divisor)
+            finished.append(len(calls))
+
+        monkeypatch.setattr(torch, "_foreach_div_", fails_on_the_second_chunk)
+        with pytest.raises(RuntimeError, match="injected"):
+            mechanism.add_noise_([torch.zeros(s) for s in shapes], 1.0, 1.0, divide_by=2.0)
+        assert finished == [1, 3]  # raised only once no add touched the tensors any more
+        monkeypatch.undo()
+        assert len(calls) == 3 and mechanism.step == 1 and mechanism._groups[0].add_plan is not None
+        expected = _steps(reference, 2, shapes, divide_by=2.0)
+        assert all(torch.equal(a, b) for a, b in zip(_steps(mechanism, 2, shapes, divide_by=2.0), expected))
+
+
+@_Threads(2)
+def test_a_replaced_step_of_the_mechanism_is_run_not_skipped_by_the_chunked_path():
+    shapes = [(cs.CHUNK_NUMEL,), (5, 7)]
+    mechanism = GaussianNoise(seed=3, noise_stream=COUNTER, prefetch=False)
+    _steps(mechanism, 1, shapes)
+    group = mechanism._groups[0]
+    assert mechanism._draws_into_tensors(group, [torch.zeros(s) for s in shapes])
+    seen = []
+    real = mechanism._form_noise
+    mechanism._form_noise = lambda group: seen.append(group) or real(group)
+    assert not mechanism._draws_into_tensors(group, [torch.zeros(s) for s in shapes])
+    _steps(mechanism, 1, shapes)
+    assert seen == [group]

@@ -32,7 +32,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,13 +42,17 @@ from privacy_engine.settings_checks import NOISE_STREAMS
 
 __all__ = [
     "CHUNK_NUMEL",
+    "GRAIN_NUMEL",
     "NOISE_STREAMS",
     "STREAM_COUNTER",
     "STREAM_MT",
     "StreamKey",
     "chunk_bounds",
+    "chunk_pool",
+    "draw_counter_chunks",
     "draw_counter_noise",
     "drawing_threads",
+    "run_on_threads",
     "secure_stream_keys",
     "stream_key",
 ]
@@ -161,6 +165,11 @@ def drawing_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def chunk_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's pool of ``workers`` threads for noise chunks (kept; one per size, made on first use)."""
+    return _executor(workers)
+
+
 def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     with _pool_lock:
         # One pool per size, kept (a thread count switched back and forth reuses them). A forked child inherits
@@ -200,26 +209,124 @@ def draw_counter_noise(
                                   Philox bits of (key, step)
     ============================  ==================================================
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    _check_draw(step, keys)
     if out.dim() != 1 or not out.is_contiguous():
         raise ValueError("out must be a flat contiguous tensor (the device's noise vector)")
-    if not keys:
-        raise ValueError("keys is empty: a counter stream needs at least one key")
-    numel = out.numel()
-    if numel == 0:
+    if out.numel() == 0:
         return
     part_std = std / math.sqrt(len(keys)) if len(keys) > 1 else std
     if out.device.type != "cpu":
         _draw_device(out, scratch, keys, step, part_std)
         return
+
+    def destination(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return out[start:end], None if scratch is None else scratch[start:end]
+
+    _draw_chunks(out.numel(), keys, step, part_std, destination, None, threads)
+
+
+def draw_counter_chunks(
+    numel: int,
+    dtype: torch.dtype,
+    keys: Sequence[StreamKey],
+    step: int,
+    std: float,
+    consume: Callable[[int, torch.Tensor], None],
+    *,
+    threads: int | None = None,
+) -> None:
+    """Step ``step``'s values of the stream(s) ``keys`` for a flat CPU vector of ``numel`` entries of ``dtype``, one
+    chunk at a time and without the vector: each chunk is drawn into a buffer of the drawing thread (kept between
+    calls, so no page is faulted in per step) and handed to ``consume(index, chunk)`` on that thread, while the
+    chunk is still in the core's cache; the buffer is drawn over again once ``consume`` returns.
+
+    Guarantee: ``chunk`` holds exactly entries ``[index * CHUNK_NUMEL, ...)`` of what ``draw_counter_noise`` draws
+    into a vector of ``numel`` entries for the same arguments (bit for bit, at any thread count); every chunk is
+    consumed exactly once, unless ``consume`` raises: then no further chunk is started and the first exception is
+    raised once every drawing thread has stopped (chunks already consumed stay consumed). ``consume`` runs on up
+    to ``threads`` threads at once (each on its own chunks): what it writes must not overlap between chunks, and it
+    should keep each torch call under ``GRAIN_NUMEL`` entries (a larger one starts torch's intra-op threads from
+    every drawing thread).
+
+    ==================  ===========================================
+    case                result
+    ==================  ===========================================
+    ``numel`` = 0       nothing drawn, ``consume`` never called
+    ``step`` < 0        ValueError
+    ``consume`` raises  drawing stops; its exception is raised
+    ==================  ===========================================
+    """
+    _check_draw(step, keys)
+    if numel == 0:
+        return
+    part_std = std / math.sqrt(len(keys)) if len(keys) > 1 else std
+    extra = len(keys) > 1
+
+    def destination(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        buffer, extra_buffer = _thread_chunk_buffers(dtype, extra)
+        return buffer[: end - start], None if extra_buffer is None else extra_buffer[: end - start]
+
+    _draw_chunks(numel, keys, step, part_std, destination, consume, threads)
+
+
+# torch runs an elementwise op of at most this many entries on the calling thread (at::internal::GRAIN_SIZE); a
+# larger one opens an OpenMP team from the calling thread, and a team opened from each drawing thread puts
+# 2 x threads threads on the cores, whose workers then spin-wait for milliseconds after the op (libgomp's
+# default), taking the cores the other drawing threads need.
+GRAIN_NUMEL = 1 << 15
+
+_thread_buffers = threading.local()
+
+
+def _thread_chunk_buffers(dtype: torch.dtype, extra: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This thread's chunk buffer of ``dtype`` (and, for several keys, a second one for the further draws)."""
+    buffers = getattr(_thread_buffers, "by_dtype", None)
+    if buffers is None:
+        buffers = _thread_buffers.by_dtype = {}
+    pair = buffers.get(dtype)
+    if pair is None or (extra and pair[1] is None):
+        main = torch.empty(CHUNK_NUMEL, dtype=dtype) if pair is None else pair[0]
+        pair = buffers[dtype] = (main, torch.empty(CHUNK_NUMEL, dtype=dtype) if extra else None)
+    return pair[0], pair[1] if extra else None
+
+
+def _device_generator(device: torch.device) -> torch.Generator:
+    """This thread's generator for ``device``, kept between steps (no generator is made per step on the device);
+    every use reseeds it. One per thread: two threads drawing at once must not reseed each other's generator."""
+    generators = getattr(_thread_buffers, "device_generators", None)
+    if generators is None:
+        generators = _thread_buffers.device_generators = {}
+    generator = generators.get(device)
+    if generator is None:
+        generator = generators[device] = torch.Generator(device=device)
+    return generator
+
+
+def _check_draw(step: int, keys: Sequence[StreamKey]) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not keys:
+        raise ValueError("keys is empty: a counter stream needs at least one key")
+
+
+def _draw_chunks(
+    numel: int,
+    keys: Sequence[StreamKey],
+    step: int,
+    part_std: float,
+    destination: Callable[[int, int], tuple[torch.Tensor, torch.Tensor | None]],
+    consume: Callable[[int, torch.Tensor], None] | None,
+    threads: int | None,
+) -> None:
+    """Draw every chunk of step ``step`` into ``destination(start, end)`` (the chunk's tensor and, for several keys,
+    one for the further draws), then ``consume(index, chunk)`` if given, on ``threads`` threads."""
     bounds = chunk_bounds(numel)
     # Every chunk's MT state for this step, one Philox call per key (2.5 KB of words per chunk).
     states = [_chunk_states(_philox_words(key, step, 0, _BLOCKS_PER_CHUNK * len(bounds)), len(bounds)) for key in keys]
 
     def draw_chunk(index: int, generator: torch.Generator) -> None:
         start, end = bounds[index]
-        piece = out[start:end]
+        piece, extra = destination(start, end)
         for number, key_states in enumerate(states):
             # A separate tensor per row: torch's set_state reads from the start of a tensor's storage and
             # ignores a view's offset (it crashed on a row of a 2-D tensor, torch 2.x), while
@@ -228,28 +335,51 @@ def draw_counter_noise(
             if number == 0:
                 piece.normal_(0.0, part_std, generator=generator)
             else:
-                extra = scratch[start:end]
                 extra.normal_(0.0, part_std, generator=generator)
-                piece.add_(extra)
+                # In pieces on this thread (see GRAIN_NUMEL); an elementwise add, so the same bits as one add.
+                torch._foreach_add_(piece.split(GRAIN_NUMEL), extra.split(GRAIN_NUMEL))
+        if consume is not None:
+            consume(index, piece)
 
-    next_chunk = itertools.count()  # shared by the workers: next() is atomic under the GIL
+    generators = threading.local()
+
+    def draw(index: int) -> None:
+        generator = getattr(generators, "generator", None)
+        if generator is None:
+            generator = generators.generator = torch.Generator()
+        draw_chunk(index, generator)
+
+    run_on_threads(len(bounds), draw, threads=threads)
+
+
+def run_on_threads(count: int, task: Callable[[int], None], *, threads: int | None = None) -> None:
+    """``task(0)`` ... ``task(count - 1)`` on ``threads`` threads (default ``drawing_threads()``): this thread and
+    pool threads take the next index in turn until none is left (a thread that is slow or preempted takes fewer),
+    each under ``torch.no_grad``. torch's kernels release the GIL, so the tasks' kernels run on that many cores.
+
+    Guarantee: every index runs exactly once, unless a task raises: then no further index is started and the first
+    exception is raised once every thread has stopped (so nothing runs after the raise)."""
+    next_index = itertools.count()  # shared by the workers: next() is atomic under the GIL
+    stop = threading.Event()  # set by the first worker that fails: the others start no further task
 
     def work() -> None:
-        generator = torch.Generator()
-        with torch.no_grad():  # grad mode is per thread
-            while (index := next(next_chunk)) < len(bounds):
-                draw_chunk(index, generator)
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                while not stop.is_set() and (index := next(next_index)) < count:
+                    task(index)
+        except BaseException:
+            stop.set()
+            raise
 
-    workers = min(threads if threads is not None else drawing_threads(), len(bounds))
+    workers = min(threads if threads is not None else drawing_threads(), count)
     if workers <= 1:
         work()
         return
-    # torch's kernels release the GIL, so the chunks are drawn on ``workers`` cores at once: this thread and
-    # ``workers - 1`` pool threads take chunks in turn until none is left.
     helpers = [_executor(workers - 1).submit(work) for _ in range(workers - 1)]
     try:
         work()
     finally:
+        stop.set()  # also when this thread was interrupted: the helpers stop after their current task
         errors = [future.exception() for future in helpers]  # waits for every helper
     for error in errors:
         if error is not None:
@@ -259,9 +389,10 @@ def draw_counter_noise(
 def _draw_device(
     out: torch.Tensor, scratch: torch.Tensor | None, keys: Sequence[StreamKey], step: int, std: float
 ) -> None:
+    generator = _device_generator(out.device)
     with torch.no_grad():
         for number, key in enumerate(keys):
-            generator = torch.Generator(device=out.device)
+            # manual_seed also restarts the generator's offset: the draw is what a fresh generator would give.
             generator.manual_seed(int(_philox_words(key, step, 0, 1)[0]))
             target = out if number == 0 else scratch
             target.normal_(0.0, std, generator=generator)

@@ -75,3 +75,50 @@ class _DeviceGroup:
     next_scratch: torch.Tensor | None = None
     shadow_generators: list[torch.Generator] = field(default_factory=list)
     formed_ahead: bool = False  # group.noise already holds this step's formed noise (drawn and formed ahead)
+    add_plan: _AddPlan | None = None  # how a chunked draw is added into the tensors (NoiseMechanism._draw_into_tensors)
+
+
+@dataclass(frozen=True)
+class _AddPlan:
+    """How a device's flat noise, drawn chunk by chunk, is added into its tensors piece by piece (plain integers).
+
+    The tensors are cut into pieces (flat, in layout order) so that no piece spans two tensors or two chunks or
+    holds more than ``max_piece`` entries: ``tensor_piece_sizes[k]`` are tensor ``k``'s piece sizes, in order; the
+    pieces of chunk ``c`` are pieces ``chunk_pieces[c][0]`` to ``chunk_pieces[c][1] - 1`` of all tensors' pieces
+    in layout order, and ``chunk_piece_sizes[c]`` their sizes (they tile the chunk)."""
+
+    tensor_piece_sizes: tuple[tuple[int, ...], ...]
+    chunk_pieces: tuple[tuple[int, int], ...]
+    chunk_piece_sizes: tuple[tuple[int, ...], ...]
+    chunk_numel: int = 0  # the chunk size the plan was made for (a stream switched on resume needs a new plan)
+
+
+def _add_plan(
+    numels: Sequence[int], bounds: Sequence[tuple[int, int]], max_piece: int, chunk_numel: int = 0
+) -> _AddPlan:
+    """The ``_AddPlan`` of tensors of ``numels`` entries laid end to end, drawn in chunks ``bounds`` (``(start, end)``,
+    tiling ``sum(numels)``; ``chunk_numel``: their nominal size, recorded), with pieces of at most ``max_piece``
+    entries."""
+    tensor_piece_sizes, piece_chunks, piece_sizes = [], [], []
+    chunk, offset = 0, 0
+    for numel in numels:
+        sizes, position = [], 0
+        while position < numel:
+            while bounds[chunk][1] <= offset + position:
+                chunk += 1
+            end = min(numel, position + max_piece, bounds[chunk][1] - offset)
+            sizes.append(end - position)
+            piece_chunks.append(chunk)
+            position = end
+        tensor_piece_sizes.append(tuple(sizes))
+        piece_sizes.extend(sizes)
+        offset += numel
+    chunk_pieces, chunk_piece_sizes, first = [], [], 0
+    for index in range(len(bounds)):
+        last = first
+        while last < len(piece_chunks) and piece_chunks[last] == index:
+            last += 1
+        chunk_pieces.append((first, last))
+        chunk_piece_sizes.append(tuple(piece_sizes[first:last]))
+        first = last
+    return _AddPlan(tuple(tensor_piece_sizes), tuple(chunk_pieces), tuple(chunk_piece_sizes), chunk_numel)
