@@ -17,32 +17,13 @@ import dp_accounting
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
 from privacy_engine.opacus import GradSampleModuleFastGradientClipping, PrivacyEngine
 from privacy_engine.opacus.accountants import PRV_VALUE_DISCRETIZATION_INTERVAL, PRVAccountant
 from privacy_engine.opacus.optimizers import DPOptimizerFastGradientClipping
 from tests.conftest import per_example_reference
-
-
-class Scale(nn.Module):
-    """A layer without a registered sampler: the torch.func fallback."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
-
-
-def small_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(4), nn.Linear(4, 2)).double()
-
-
-def example_losses(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return functional.cross_entropy(output, target, reduction="none")
+from tests.test_opacus_last_gaps import example_losses, small_model  # the same model and losses
 
 
 def data(n: int, seed: int = 0):
