@@ -26,6 +26,7 @@ from tests.test_ghost_clipping import (
     materialised_clipped_sum,
     reference_clipped_sum,
 )
+from tests.test_grad_scaler import backward_and_step
 from tests.test_loop_contract import FEATURES, clipped_sum, loss_of, make_data, make_model, private, snapshot
 
 pytestmark = pytest.mark.cuda
@@ -190,13 +191,7 @@ def test_fp16_autocast_with_a_grad_scaler_on_cuda_is_within_fp16_error_of_float3
         for x, y in loader:
             with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
                 loss = nn.functional.cross_entropy(wrapped(x.to(CUDA)).float(), y.to(CUDA))
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            backward_and_step(loss, optimizer, scaler)
             optimizer.zero_grad()
         return torch.cat([p.detach().flatten() for p in model.parameters()]), engine.accountant.steps
 

@@ -48,6 +48,17 @@ def _loss(wrapped, x, y):
     return nn.functional.cross_entropy(out, y, reduction="sum")
 
 
+def backward_and_step(loss, optimizer, scaler=None) -> None:
+    """The user's backward and step, through ``scaler`` (a ``torch.amp.GradScaler``) when one is given."""
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
 def _update(model, before):
     return torch.cat([(p.detach() - b).flatten().double() for p, b in zip(model.parameters(), before)])
 
@@ -193,13 +204,7 @@ def test_make_private_with_a_grad_scaler_trains_as_the_unscaled_loop(mode):
         wrapped, optimizer, loader = made
         for x, y in loader:
             loss = nn.functional.cross_entropy(wrapped(x), y)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            backward_and_step(loss, optimizer, scaler)
             optimizer.zero_grad()
         return torch.cat([p.detach().flatten() for p in model.parameters()]), engine.accountant.steps
 

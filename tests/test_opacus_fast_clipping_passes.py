@@ -115,17 +115,24 @@ def test_accumulated_batch_backpropagated_with_hooks_disabled_refuses_the_whole_
         assert param.grad is None  # the clipped sum of batch 1 is not left in .grad either
 
 
+def hand_built_pipeline(model):
+    """Opacus's hand-built pipeline: the fast-clipping wrapper (C = 0.5, sum reduction) and its optimizer (noise
+    off, lr 1, expected batch 6)."""
+    wrapper = GradSampleModuleFastGradientClipping(model, max_grad_norm=0.5, loss_reduction="sum")
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(wrapper.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
+        expected_batch_size=6, loss_reduction="sum",
+    )  # fmt: skip
+    return wrapper, optimizer
+
+
 def test_backward_with_hooks_enabled_after_one_with_them_disabled_clips_the_forward_and_steps():
     # Hand-built pieces (Opacus's hand-built pipeline): the same forward backpropagated first with the hooks
     # disabled, then with them enabled; the second clips it, so the step releases its clipped sum once.
     torch.manual_seed(12)
     model = small_model()
     unwrapped = copy.deepcopy(model)
-    wrapper = GradSampleModuleFastGradientClipping(model, max_grad_norm=0.5, loss_reduction="sum")
-    optimizer = DPOptimizerFastGradientClipping(
-        torch.optim.SGD(wrapper.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
-        expected_batch_size=6, loss_reduction="sum",
-    )  # fmt: skip
+    wrapper, optimizer = hand_built_pipeline(model)
     assert wrapper.bound_optimizer is optimizer
     x, y = data(6, seed=3)
     before = parameters_of(wrapper)
@@ -145,11 +152,7 @@ def test_opacus_two_pass_pattern_counts_one_pass_and_releases_the_clipped_sum_on
     torch.manual_seed(13)
     model = small_model()
     unwrapped = copy.deepcopy(model)
-    wrapper = GradSampleModuleFastGradientClipping(model, max_grad_norm=0.5, loss_reduction="sum")
-    optimizer = DPOptimizerFastGradientClipping(
-        torch.optim.SGD(wrapper.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.5,
-        expected_batch_size=6, loss_reduction="sum",
-    )  # fmt: skip
+    wrapper, optimizer = hand_built_pipeline(model)
     x, y = data(6, seed=4)
     before = parameters_of(wrapper)
     losses = example_losses(wrapper(x), y)
