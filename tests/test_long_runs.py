@@ -233,7 +233,7 @@ def test_a_step_with_a_new_sigma_builds_only_its_own_pld_when_epsilon_is_asked(m
     assert len(built) == 1  # before issue 27: all 41 (the 16-entry atom cache thrashed)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("mode", [pytest.param("hooks", marks=pytest.mark.slow), "ghost"])  # ~3 s each
 def test_a_dropped_private_run_is_freed_by_the_garbage_collector_and_its_workers_end(mode):
     # Freed by the cycle collector, not by reference counts: the wrapper's hooks and replaced forwards hold
     # bound methods of the wrapper, and wrapper and optimizer refer to each other (measured, issue 27).

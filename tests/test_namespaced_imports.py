@@ -74,6 +74,7 @@ def test_a_missing_submodule_is_named_by_the_path_asked_for():
         importlib.import_module("privacy_engine.accountants.no_such_module")
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and the package: seconds on 2 cores
 def test_importing_the_namespaced_path_first_gives_one_module_object():
     """In a fresh process, ``privacy_engine.grad_samplers.linear`` imported before anything else is the
     module ``grad_samplers.linear`` (run once, under its own name), not a second copy of the file."""

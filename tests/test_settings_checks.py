@@ -111,6 +111,7 @@ def test_a_per_layer_list_is_kept_as_a_tuple_of_floats():
 
 
 # ---------------------------------------------------------------------------------------------- the Opacus namespace
+@pytest.mark.slow  # a fresh interpreter importing torch and the package: seconds on 2 cores
 def test_the_core_never_imports_the_opacus_namespace():
     code = (
         "import sys, privacy_engine, privacy_engine.engine, privacy_engine.training.distributed; "

@@ -574,6 +574,7 @@ def blt_run(dataset, user_ids, model, sigma):
     return engine, wrapped, optimizer, loader
 
 
+@pytest.mark.slow  # BLT calibration over a run: ~3 s
 def test_blt_at_the_user_level_is_accounted_as_blt_over_as_many_examples_as_users():
     """The user is the unit: 24 users sampled as 24 examples would be (same rate, groups, steps, event)."""
     dataset, user_ids, model = make_setup(num_examples=80, num_users=24, seed=4)
