@@ -134,6 +134,24 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         out-of-range argument        ValueError / TypeError naming it
         ===========================  ================================================
         """
+        position = self._latest_position(source)
+        if (
+            position is not None
+            and type(num_steps) is int
+            and num_steps >= 1
+            and mechanism_parameters is None
+            and self._history[position].repeats(
+                noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_bands=num_bands,
+                group_size=group_size, max_batch_size=max_batch_size, batches_per_step=batches_per_step,
+                mechanism=mechanism,
+            )
+        ):  # fmt: skip
+            # The training loop's usual step: the same step again, merged into the source's latest entry. Its
+            # arguments are plain values equal to that entry's validated fields, so building and validating an
+            # entry (the path below) would end in this very merge.
+            self._history[position] = self._history[position].with_more_steps(num_steps)
+            self._composed = None
+            return
         num_steps = check_int("num_steps", num_steps, low=0)
         # Validate the mechanism even when num_steps == 0 so that bad input never passes
         # silently; the entry needs a positive count, hence max(.., 1).
@@ -150,10 +168,7 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
             mechanism_parameters=() if mechanism_parameters is None else mechanism_parameters,
         )
         # The latest entry of the same source (other optimizers' steps may have come in between).
-        position = next(
-            (i for i in range(len(self._history) - 1, -1, -1) if self._history[i].source == entry.source),
-            None,
-        )
+        position = self._latest_position(entry.source)
         last = None if position is None else self._history[position]
         if last is None or not last.same_mechanism(entry):
             self._check_supported(entry)
@@ -173,6 +188,14 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         else:
             self._history.append(dataclasses.replace(entry, num_steps=num_steps))
         self._composed = None
+
+    def _latest_position(self, source: object) -> int | None:
+        """The index of the latest ledger entry of ``source`` (other optimizers' steps may come after it), or None."""
+        history = self._history
+        for position in range(len(history) - 1, -1, -1):
+            if history[position].source == source:
+                return position
+        return None
 
     def _check_supported(self, entry: HistoryEntry) -> None:
         """Raise NotImplementedError, naming an accountant that can, if dp-accounting cannot."""

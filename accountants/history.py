@@ -119,6 +119,26 @@ class HistoryEntry:
             getattr(self, name) == getattr(other, name) for name in _FIELDS_BUT_STEPS
         )
 
+    def repeats(
+        self, *, noise_multiplier: object, sample_rate: object, num_bands: object, group_size: object,
+        max_batch_size: object, batches_per_step: object, mechanism: object,
+    ) -> bool:  # fmt: skip
+        """Whether steps recorded with these arguments (and this entry's source, no mechanism parameters) are
+        this entry's steps, with no validation needed: each argument is a plain ``float`` / ``int`` / ``str`` /
+        ``None`` (no bool, no numpy or torch scalar) equal to this entry's validated field, so building a
+        ``HistoryEntry`` from them would validate and normalise to these very fields. False is no verdict:
+        the caller builds and validates the entry as usual."""
+        return (
+            not self.mechanism_parameters
+            and type(noise_multiplier) is float and noise_multiplier == self.noise_multiplier
+            and type(sample_rate) is float and sample_rate == self.sample_rate
+            and type(num_bands) is int and num_bands == self.num_bands
+            and type(batches_per_step) is int and batches_per_step == self.batches_per_step
+            and type(mechanism) is str and mechanism == self.mechanism
+            and _same_plain_int_or_none(group_size, self.group_size)
+            and _same_plain_int_or_none(max_batch_size, self.max_batch_size)
+        )  # fmt: skip
+
     @property
     def spec(self) -> EventSpec:
         """What the mechanism stated about these steps (kind, num_bands, parameters)."""
@@ -171,6 +191,10 @@ class HistoryEntry:
                 f"history entry has unknown keys {unknown}; allowed: {sorted(fields)}."
             )
         return cls(**data)
+
+
+def _same_plain_int_or_none(value: object, field: int | None) -> bool:
+    return value is None if field is None else type(value) is int and value == field
 
 
 def _listed(value: Any) -> Any:

@@ -11,9 +11,14 @@ and divide by the expected batch size, as ``DPOptimizer`` does; no prefetch) on 
 size (the floor: torch's own serial draw), at 1M, 10M and 100M parameters (``--quick``: 1M, 10M), at 1 and
 2 torch threads, all interleaved in each round (the thread count switched within the round); ratios are
 medians over rounds of (time / 1-thread randn of the same round). The ``draw`` column is the counter
-stream's draw alone (no add): the counter step's excess over it is the add into the tensors. ``r+add``:
-``torch.randn(out=)`` then one ``add_`` of it into a tensor of the same size, the least a serial draw
-that is added to the gradients costs (the add is one read and one write of the gradients in memory).
+stream's draw alone (no add): the counter step's excess over it is the add into the tensors. ``ser/255``: the
+serial step dividing by 255 instead of 256 (at one thread a power of two is divided by as a multiplication by
+its exact reciprocal, the same bits; 255 shows the step for any other batch size). ``r+add``:
+``torch.randn(out=)`` then one ``add_`` of it into a tensor of the same size. ``r+pass``: ``torch.randn(out=)``
+then one pass of ``add_`` over a tensor of the same size from a small buffer that stays in cache (chunks of
+``PASS_CHUNK_NUMEL``): the physical floor of a serial step built from torch ops on one thread, which must draw
+(as ``randn`` does) and then read and write the gradients once (the division not counted); 1 thread only (``-``
+at more: pieces over torch's grain size would time OpenMP teams, not memory).
 
     python benchmarks/bench_noise.py [--quick] [--streams]
 """
@@ -21,6 +26,7 @@ that is added to the gradients costs (the add is one read and one write of the g
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -36,6 +42,8 @@ from privacy_engine.noise.counter_stream import STREAM_COUNTER, STREAM_MT, draw_
 # A model's parameters are many tensors of mixed sizes; split the total the same way.
 TENSOR_FRACTIONS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.005, 0.003, 0.002]
 EXPECTED_BATCH_SIZE = 256.0  # --streams: the step divides by it, as DPOptimizer does (add_noise_'s divide_by)
+ODD_BATCH_SIZE = 255.0  # --streams, ser/255: a divisor that is not a power of two
+PASS_CHUNK_NUMEL = 1 << 18  # --streams, r+pass: the in-cache buffer's entries (2^14-2^18 measured: 2^18 least)
 SETTLE_SECONDS = 0.03  # --streams: pause before each timed step (see stream_table)
 
 
@@ -94,6 +102,9 @@ def stream_steps(total: int) -> dict:
     floor_generator = torch.Generator().manual_seed(0)
     tensors = parameter_tensors(total, torch.device("cpu"))
     serial = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_MT)
+    serial_odd = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_MT)
+    pass_buffer = torch.randn(PASS_CHUNK_NUMEL)
+    pass_slices = [(piece, pass_buffer[: piece.numel()]) for piece in floor_target.split(PASS_CHUNK_NUMEL)]
     counter = GaussianNoise(seed=0, prefetch=False, noise_stream=STREAM_COUNTER)
     draw_out, key = torch.empty(total), stream_key(0, 0)
 
@@ -101,12 +112,19 @@ def stream_steps(total: int) -> dict:
         torch.randn(total, out=floor_out, generator=floor_generator)
         floor_target.add_(floor_out)
 
+    def floor_and_pass() -> None:
+        torch.randn(total, out=floor_out, generator=floor_generator)
+        for piece, buffer in pass_slices:
+            piece.add_(buffer)
+
     return {
         "randn": lambda: torch.randn(total, out=floor_out, generator=floor_generator),
         "serial": lambda: serial.add_noise_(tensors, 1.0, 1.0, divide_by=EXPECTED_BATCH_SIZE),
+        "ser/255": lambda: serial_odd.add_noise_(tensors, 1.0, 1.0, divide_by=ODD_BATCH_SIZE),
         "counter": lambda: counter.add_noise_(tensors, 1.0, 1.0, divide_by=EXPECTED_BATCH_SIZE),
         "draw": lambda: draw_counter_noise(draw_out, None, [key], 0, 1.0),
         "r+add": floor_and_add,
+        "r+pass": floor_and_pass,
     }
 
 
@@ -116,10 +134,11 @@ def stream_table(
     """Print the ``--streams`` table (see the module docstring). ``clock``: ``time.process_time`` counts the
     CPU time of all the process's threads (less sensitive to other jobs on a shared machine; at 2 threads
     it is the total work, not the wall time)."""
+    widths = (9, 10, 10, 11, 8, 9, 10)  # randn, serial, ser/255, counter, draw, r+add, r+pass
     header = (
-        f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'counter ms':>11} {'draw ms':>8} "
-        f"{'r+add ms':>9} {'randn/r1':>9} {'serial/r1':>10} {'counter/r1':>11} {'draw/r1':>8} {'r+add/r1':>9} "
-        f"{'ctr/ser1':>9}"
+        f"{'params':>7} {'threads':>7} {'randn ms':>9} {'serial ms':>10} {'s/255 ms':>10} {'counter ms':>11} "
+        f"{'draw ms':>8} {'r+add ms':>9} {'r+pass ms':>10} {'randn/r1':>9} {'serial/r1':>10} {'s/255/r1':>10} "
+        f"{'counter/r1':>11} {'draw/r1':>8} {'r+add/r1':>9} {'r+pass/r1':>10} {'ctr/ser1':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -134,6 +153,8 @@ def stream_table(
                     # A step at 2 threads that opened torch's OpenMP team leaves its worker spinning for a few ms
                     # (libgomp's default wait policy): without the pause that spin is charged to the next step
                     # (its CPU time, or a core taken from it), e.g. to the 1-thread randn of the next round.
+                    if name == "r+pass" and threads > 1:
+                        continue  # a one-thread floor (see the module docstring)
                     time.sleep(SETTLE_SECONDS)
                     start = clock()
                     step()
@@ -144,14 +165,16 @@ def stream_table(
         serial_1 = times["serial", thread_counts[0]]
         for threads in thread_counts:
             row = [times[name, threads] for name in steps]
-            ratios = [statistics.median(a / b for a, b in zip(values, floor_1)) for values in row]
+            ratios = [
+                statistics.median(a / b for a, b in zip(values, floor_1)) if values else math.nan for values in row
+            ]
             # ctr/ser1: the counter step against the serial step at the first thread count, same round.
             ratios.append(statistics.median(a / b for a, b in zip(times["counter", threads], serial_1)))
             print(
                 f"{total / 1e6:>6.0f}M {threads:>7} "
-                + " ".join(f"{statistics.median(v) * 1e3:>{w}.2f}" for v, w in zip(row, (9, 10, 11, 8, 9)))
+                + " ".join(f"{statistics.median(v) * 1e3 if v else math.nan:>{w}.2f}" for v, w in zip(row, widths))
                 + " "
-                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (9, 10, 11, 8, 9, 9))),
+                + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (*widths, 9))),
                 flush=True,
             )
 

@@ -26,11 +26,14 @@ from grad_samplers._common import scale_per_example
 from grad_samplers._memory import empty_per_sample
 from grad_samplers.registry import LayerSampler, register_layer_sampler
 
-# What one element-step of the segment form (sort, gather, scatter-add: memory-bound) costs relative to one
-# multiply-add of the equal-index form's batched matmul (runs near peak). Calibrated on CPU (1 thread,
-# float32): the measured crossover is T ~ 32 for E = 64 and T ~ 64 for E = 256; at T = 512, E = 768 the
-# segment form is 5x faster, at T = 8 the equal-index form is 3-16x faster.
-_MEMORY_BOUND_STEP_COST = 10
+# What one element-step of the segment form (sort, gather, scatter-add: memory-bound, plus ~10 small ops of
+# fixed cost) costs relative to one multiply-add of the equal-index form's batched matmul (runs near peak).
+# Calibrated on CPU (1 thread, float32, torch 2.13, AMD EPYC; session 9, thread time, interleaved medians): the
+# measured crossover is T ~ 64-70 for E = 64 at B = 8 (T ~ 55 at B = 64) and T ~ 60 for E = 256-768; at T = 32
+# the equal-index form is 1.4-2.8x faster, at T = 128 the segment form 2x, at T = 256 3-8x. (Was 10, which put
+# the crossover near T = 30: the GPT-2 benchmark's embedding, T = 32, E = 64, took the segment form at 2.8x the
+# time.) 16 puts it near T ~ 48-55 for every E.
+_MEMORY_BOUND_STEP_COST = 16
 
 
 def _reject_scale_grad_by_freq(layer: nn.Module) -> None:
@@ -145,9 +148,10 @@ def _equal_index_is_cheaper(batch_size: int, num_lookups: int, embedding_dim: in
     The equal-index form is one batched matmul, ``T^2 (E+1)`` multiply-adds and a ``T x T`` buffer per
     example; the segment form does ``~3 T E`` memory-bound element steps plus a sort of ``B T`` keys and
     copies ``G`` twice (``2 T E``). Weighting the memory-bound steps (``_MEMORY_BOUND_STEP_COST``) puts the
-    crossover near ``T ~ 30`` for any ``E``: short inputs take the matmul (then its ``T^2`` buffer is also
-    no larger than the segment form's ``2 T E`` copies, for ``E >= 16``), long sequences the ``O(T)`` form.
-    Neither materialises the ``V x E`` gradient.
+    crossover near ``T ~ 50`` for any ``E``: short inputs take the matmul (then its ``T^2`` buffer is also
+    no larger than the segment form's ``2 T E`` copies for ``E >= 32``, under twice them for ``E >= 16``),
+    long sequences the ``O(T)`` form. Both forms are exact (they differ only in float rounding). Neither
+    materialises the ``V x E`` gradient.
     """
     equal_index_cost = num_lookups * num_lookups * (embedding_dim + 1)
     sort_steps = max(1.0, math.log2(max(2, batch_size * num_lookups)))

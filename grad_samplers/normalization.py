@@ -24,6 +24,31 @@ _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
 _NormLayer = nn.LayerNorm | nn.GroupNorm | _InstanceNorm | nn.RMSNorm
 
 
+# Ones and zeros of a LayerNorm's normalized shape, per (shape, dtype): see _identity_affine.
+_IDENTITY_AFFINE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_IDENTITY_AFFINE_LIMIT = 64
+
+
+def _identity_affine(shape: tuple, inputs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(ones, zeros)`` of ``shape`` to pass as a LayerNorm's weight and bias when computing ``x_hat`` on CPU in
+    float32/float64, else ``(None, None)``.
+
+    torch's CPU kernel takes a scalar loop when the weight or the bias is absent and a vectorised one when both
+    are given, computing ``(x - mean) * rstd * gamma + beta`` either way: with ``gamma = 1`` and ``beta = 0`` every
+    element is the same float (``t * 1 + 0 == t`` exactly, fused or not, and ``-0.0 + 0`` is ``+0.0`` in both), at
+    about half the time. ``tests/test_ghost_hf_decoder_forms.py`` checks the equality bit for bit. Other devices and
+    dtypes keep the absent parameters. The cached tensors are constants, never handed to the caller's model."""
+    if inputs.device.type != "cpu" or inputs.dtype not in (torch.float32, torch.float64):
+        return None, None
+    key = (tuple(shape), inputs.dtype)
+    cached = _IDENTITY_AFFINE.get(key)
+    if cached is None:
+        if len(_IDENTITY_AFFINE) >= _IDENTITY_AFFINE_LIMIT:
+            _IDENTITY_AFFINE.clear()
+        cached = _IDENTITY_AFFINE[key] = (torch.ones(shape, dtype=inputs.dtype), torch.zeros(shape, dtype=inputs.dtype))
+    return cached
+
+
 def _normalized_input(layer: _NormLayer, inputs: torch.Tensor) -> torch.Tensor:
     """``x_hat``: the layer's output before its affine parameters, for a batched input."""
     if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
@@ -33,7 +58,8 @@ def _normalized_input(layer: _NormLayer, inputs: torch.Tensor) -> torch.Tensor:
                 f"shape {tuple(layer.normalized_shape)}; got input of shape {tuple(inputs.shape)}"
             )
         if isinstance(layer, nn.LayerNorm):
-            return F.layer_norm(inputs, layer.normalized_shape, None, None, layer.eps)
+            unit, zero = _identity_affine(layer.normalized_shape, inputs)
+            return F.layer_norm(inputs, layer.normalized_shape, unit, zero, layer.eps)
         return F.rms_norm(inputs, layer.normalized_shape, None, layer.eps)
     if inputs.dim() < 2 or (isinstance(layer, _InstanceNorm) and inputs.dim() == layer._get_no_batch_dim()):
         raise ValueError(

@@ -114,6 +114,8 @@ GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ghost", "ew", "no_op")  # "a
 
 
 def _is_real(value: Any) -> bool:
+    if type(value) is float or type(value) is int:
+        return True  # the usual case, checked at every step: without the (slower) ABC check below
     # bool is an int subclass: True as a bound or a noise multiplier is a bug, not a number.
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 

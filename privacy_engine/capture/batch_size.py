@@ -89,7 +89,6 @@ class BatchSizeTracking:
             if recompute == NON_REENTRANT:
                 forward_batch = self._forward_batch_size()
                 return forward_batch if batch_size == 1 and forward_batch not in (None, 1) else None
-        dim = self._layer_dim(path)
         sizes = self._batch_sizes
         established = sizes.forward_batch
         if established is None:
@@ -103,6 +102,7 @@ class BatchSizeTracking:
             return target
         if batch_size == established[1]:
             return None
+        dim = self._layer_dim(path)  # for the messages below only
         if batch_size == 1:
             if sizes.forward_broadcast is None:
                 sizes.forward_broadcast = (path, established[1])
@@ -222,7 +222,11 @@ def input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:
     loader, a forward whose batch exceeds the drawn batch is refused by the step contract as well.)
     """
     counts: dict[int, int] = {}
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+    if not kwargs and all(type(arg) is torch.Tensor for arg in args):
+        leaves = args  # the usual model(x): the leaves tree_leaves gives, without its walk (at every forward)
+    else:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.dim() > batch_dim:
             counts[leaf.shape[batch_dim]] = counts.get(leaf.shape[batch_dim], 0) + 1
     if not counts:

@@ -48,7 +48,12 @@ from privacy_engine.capture.hooks import LayerHooks
 from privacy_engine.capture.independence import IndependenceGuard
 from privacy_engine.capture.root_parameters import ROOT_PARAMETER_ELEMENTS, RootParameters
 from privacy_engine.capture.state import BatchSizeState, CaptureTables, ForwardFlags, UsageCheckState
-from privacy_engine.capture.step_binding import StepContractBinding, mark_wrapped_parameters, unmark_wrapped_parameters
+from privacy_engine.capture.step_binding import (
+    StepContractBinding,
+    mark_wrapped_parameters,
+    set_binding_fields,
+    unmark_wrapped_parameters,
+)
 from privacy_engine.capture.usage_check import UsageCheck
 from privacy_engine.integrations.hf_losses import install_per_example_losses
 from privacy_engine.models.validation import UnsupportedModuleError, batchnorm_problem, find_problems, module_label
@@ -324,7 +329,9 @@ class GradSampleModule(
             self._check_unowned_frozen()
         self._flags.in_forward = True
         try:
-            with self._root_parameter_forward() if training else contextlib.nullcontext() as root_pass:
+            # (No trainable-root bookkeeping at all for a model whose root owns no parameters: the usual case.)
+            root_parameters = training and bool(self._tables.root_parameters)
+            with self._root_parameter_forward() if root_parameters else contextlib.nullcontext() as root_pass:
                 output = self._module(*args, **kwargs)
         finally:
             self._flags.in_forward = False
@@ -350,13 +357,13 @@ class GradSampleModule(
     def forget_forward_batch(self) -> None:
         """The bound optimizer released a step: the last forward's batch is spent, so a later backward
         must come from a new forward (``_check_live`` refuses one that reaches the old forward)."""
-        self._forward_ticket = None
+        set_binding_fields(self, _forward_ticket=None)
 
     def discard_unflushed_passes(self) -> None:
         """The bound optimizer dropped its open step (``zero_grad`` outside a logical step,
         ``discard_logical_step``): the completed backward passes waiting in ``grad_sample`` are never
         handed to its clipper."""
-        self._grad_sample_ticket = None
+        set_binding_fields(self, _grad_sample_ticket=None)
 
     @property
     def has_unflushed_passes(self) -> bool:

@@ -22,7 +22,10 @@ from privacy_engine.batches.tickets import BatchTicket
 from privacy_engine.capture.recompute import checkpoint_recompute
 from privacy_engine.models.validation import submodule_label
 
-__all__ = ["StepContractBinding", "mark_wrapped_parameters", "unmark_wrapped_parameters", "wrapper_holding"]
+__all__ = [
+    "StepContractBinding", "mark_wrapped_parameters", "set_binding_fields", "unmark_wrapped_parameters",
+    "wrapper_holding",
+]
 
 #: The attribute set on every parameter of a wrapped model: the wrapper's class name (a string, so a
 #: model saved with ``torch.save`` stays loadable).
@@ -45,6 +48,14 @@ def unmark_wrapped_parameters(module: nn.Module) -> None:
 def wrapper_holding(param: nn.Parameter) -> str | None:
     """The class name of the wrapper holding ``param``'s model, or None if no wrapper holds it."""
     return getattr(param, WRAPPED_PARAMETER_ATTRIBUTE, None)
+
+
+def set_binding_fields(wrapper: nn.Module, **fields: object) -> None:
+    """Set fields of the step binding (``_generation``, ``_forward_ticket``, ...) on ``wrapper`` straight in its
+    ``__dict__``, where ``nn.Module.__setattr__`` would put them too: their values (ints, bools, dicts, tickets,
+    None) are never parameters, buffers or modules, and that method's checks for those cost ~2 us per field (its
+    ``isinstance(value, Parameter)`` runs a Python metaclass check), about ten times per training step."""
+    wrapper.__dict__.update(fields)
 
 
 class StepContractBinding:
@@ -76,7 +87,7 @@ class StepContractBinding:
             # The last backward raised part-way: its per-sample gradients are incomplete.
             self._discard_grad_samples()
         self._consumer.sync_private_parameters()
-        self._generation += 1
+        set_binding_fields(self, _generation=self._generation + 1)
 
     def _after_bound_forward(self, args, kwargs) -> None:
         contract = self._consumer.contract
@@ -86,7 +97,7 @@ class StepContractBinding:
         previous = self._forward_ticket
         ticket = contract.resolve(args, kwargs, batch_size, batch_dim=self._batch_dim,
                                   join_pending=self._awaiting_backward)  # fmt: skip
-        self._awaiting_backward = ticket.tracked
+        set_binding_fields(self, _awaiting_backward=ticket.tracked)
         self._check_second_pass(ticket)
         if previous is None or not ticket.same_rows(previous):
             if previous is not None and self._grad_sample_ticket is None and not contract.already_contributed(previous):
@@ -94,11 +105,11 @@ class StepContractBinding:
             # Only the forwards of the live batch can still be backpropagated (``_check_live``): drop the
             # others' tickets, or the map would keep one ticket (and its padding mask) per step forever.
             # ``previous is None`` after a step released the batch: every earlier forward is dead too.
-            self._generation_tickets = {}
+            set_binding_fields(self, _generation_tickets={})
         if self._grad_sample_ticket is not None and not ticket.same_rows(self._grad_sample_ticket):
             self.flush_grad_samples()
         self._generation_tickets[self._generation] = ticket
-        self._forward_ticket = ticket
+        set_binding_fields(self, _forward_ticket=ticket)
         contract.check_parameters_unchanged(self._consumer.params, where="a forward")
 
     def _check_second_pass(self, ticket) -> None:
@@ -109,7 +120,9 @@ class StepContractBinding:
         if self._consumer is None:
             return
         ticket = self._generation_tickets.get(generation)
-        if ticket is None or not ticket.same_rows(self._forward_ticket):
+        live = self._forward_ticket
+        # (Once per layer in backward: the usual live forward's own ticket object is taken without same_rows.)
+        if ticket is None or (ticket is not live and not ticket.same_rows(live)):
             raise RuntimeError(
                 "a backward pass reached the forward of an earlier batch after the model ran on another batch: "
                 "the per-sample gradients of two batches would be mixed. Run backward for each forward before "
@@ -118,7 +131,8 @@ class StepContractBinding:
 
     def flush_grad_samples(self) -> None:
         """Hand the completed backward passes' per-sample gradients to the bound optimizer's clipper."""
-        ticket, self._grad_sample_ticket = self._grad_sample_ticket, None
+        ticket = self._grad_sample_ticket
+        set_binding_fields(self, _grad_sample_ticket=None)
         if ticket is not None and self._consumer is not None and not self._backward_running:
             self._consumer.accumulate_pass(ticket)
 
@@ -129,7 +143,7 @@ class StepContractBinding:
 
     def _backward_finished_by_clipping(self) -> None:
         """Fast clipping consumed this forward's backward pass (``clipping.ghost.backward``)."""
-        self._awaiting_backward = False
+        set_binding_fields(self, _awaiting_backward=False)
 
     def _backward_done(self) -> None:
         self._backward_running = False

@@ -44,6 +44,8 @@ from privacy_engine.clipping.stats import ClippingStats, combined_totals
 _promote_types = functools.cache(torch.promote_types)
 _norm_dtype = functools.cache(norm_dtype)
 _sum_dtype = functools.cache(sum_dtype)
+# Dtypes whose clipped sums are kept in the dtype itself (``sum_dtype`` of each is itself; checked at import).
+_WIDE_DTYPES = frozenset(dtype for dtype in (torch.float32, torch.float64) if sum_dtype(dtype) == dtype)
 
 __all__ = ["PerSampleGradientClipper"]
 
@@ -238,6 +240,10 @@ class PerSampleGradientClipper:
                 batch_size, device = squared.shape[0], squared.device
         if batch_size is None:
             raise ValueError("per_param_squared_norms is empty")
+        if len(per_param_squared_norms) == 1 and self.num_groups == 1:
+            # One group (flat clipping) summed first by the caller: the column itself, no stack.
+            (squared,) = per_param_squared_norms.values()
+            return squared.detach().to(device=device, dtype=dtype).sqrt().unsqueeze(1)
         if len(per_param_squared_norms) == self.num_groups == len(
             {self._group_of[id(param)] for param in per_param_squared_norms}
         ):
@@ -264,11 +270,11 @@ class PerSampleGradientClipper:
         norms = self._as_group_norms(per_sample_norms)
         rescale = self.config.rescale_to_unit_norm
         if self.config.clipping == "flat":
-            return clip_factors(norms[:, 0], self.bounds[0], rescale_to_unit_norm=rescale, padding_mask=padding_mask)[
-                :, None
-            ]
+            return clip_factors(
+                norms.select(1, 0), self.bounds[0], rescale_to_unit_norm=rescale, padding_mask=padding_mask
+            ).unsqueeze(1)
         columns = [
-            clip_factors(norms[:, g], bound, padding_mask=padding_mask) for g, bound in enumerate(self.bounds)
+            clip_factors(norms.select(1, g), bound, padding_mask=padding_mask) for g, bound in enumerate(self.bounds)
         ]
         factors = torch.stack(columns, dim=1)
         # Rescale by the total bound (not each group's own), so the whole gradient has norm <= 1.
@@ -393,13 +399,19 @@ class PerSampleGradientClipper:
         """
         norms = self._as_group_norms(per_sample_norms)
         padding_mask = self._checked_per_example("padding_mask", padding_mask, norms.shape[0], norms.device)
+        index_of = self._index_of
+        checked = []  # (index, param, sum): every key and shape checked before anything is added
         for param, total in clipped_sums.items():
-            self.group_index(param)
+            index = index_of.get(id(param))
+            if index is None:
+                self.group_index(param)  # raises
             if total.shape != param.shape:
                 raise ValueError(
                     f"clipped sum of shape {tuple(total.shape)} for a parameter of shape {tuple(param.shape)}"
                 )
-        self._accumulate(clipped_sums, norms, padding_mask, owned=take_ownership)
+            checked.append((index, param, total))
+        self._accumulate_checked(checked, owned=take_ownership)
+        self._record_stats(norms, padding_mask)
 
     # ------------------------------------------------------------------ consumer
     def pre_step(self) -> ClippingStats:
@@ -509,21 +521,29 @@ class PerSampleGradientClipper:
         owned: bool = False,
     ) -> None:
         """``owned``: the sums are fresh tensors nobody else holds, so the first one is kept as is."""
-        for param, total in clipped_sums.items():
-            index = self._index_of[id(param)]
+        index_of = self._index_of
+        self._accumulate_checked([(index_of[id(param)], param, total) for param, total in clipped_sums.items()], owned=owned)
+        self._record_stats(norms, padding_mask)
+
+    def _accumulate_checked(self, sums: Sequence[tuple[int, nn.Parameter, torch.Tensor]], *, owned: bool) -> None:
+        """Add each ``(index in params, param, clipped sum)`` (checked by the caller) to the accumulator."""
+        accumulated = self._accumulated
+        for index, param, total in sums:
             # detach / to only where they change something (the same tensor values either way): this runs
-            # once per parameter per pass.
+            # once per parameter per pass, so the common case (a float32/float64 sum of a parameter of that
+            # dtype, both on the CPU) is recognised from attributes alone.
             if total.requires_grad or total._base is not None:
                 total = total.detach()  # kept as the accumulator (``owned``): never a view, never in a graph
-            dtype = _sum_dtype(param.dtype)
-            if total.dtype != dtype or total.device != param.device:
-                total = total.to(dtype=dtype, device=param.device)
-            previous = self._accumulated.get(index)
+            dtype = param.dtype
+            if not (total.dtype is dtype and dtype in _WIDE_DTYPES and total.is_cpu and param.is_cpu):
+                dtype = _sum_dtype(dtype)
+                if total.dtype != dtype or total.device != param.device:
+                    total = total.to(dtype=dtype, device=param.device)
+            previous = accumulated.get(index)
             if previous is None:
-                self._accumulated[index] = total if owned else total.clone()
+                accumulated[index] = total if owned else total.clone()
             else:
                 previous.add_(total)
-        self._record_stats(norms, padding_mask)
 
     def _record_stats(self, norms: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
         if self.adaptive is not None:

@@ -53,12 +53,23 @@ def clip_factors(
     elif math.isinf(bound):
         factors = torch.ones_like(norms)
     else:
-        # Dividing by max(norm, C) gives exactly 1 for small norms and C/norm above the bound,
-        # and never divides by zero.
-        factors = bound / torch.clamp(norms, min=bound)
+        # C / max(norm, C) (as ``bound / tensor``: the reciprocal times C): exactly 1 for small norms, C/norm
+        # above the bound, never a division by zero. A NaN or -Inf norm is first made +Inf, so every
+        # non-finite norm gives 1/Inf * C = +0 (one op instead of a separate isfinite mask and where; the
+        # factors of finite norms are the same floats).
+        if not norms.is_floating_point():
+            norms = norms.to(torch.get_default_dtype())  # what ``bound / clamp(norms, min=bound)`` computes in
+        factors = torch.nan_to_num(norms, nan=math.inf, posinf=math.inf, neginf=math.inf)
+        factors = factors.clamp_(min=bound).reciprocal_().mul_(bound)
         if rescale_to_unit_norm:
             factors = factors / bound
+        return _masked(factors, padding_mask, norms)
     factors = torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+    return _masked(factors, padding_mask, norms)
+
+
+def _masked(factors: torch.Tensor, padding_mask: torch.Tensor | None, norms: torch.Tensor) -> torch.Tensor:
+    """``factors`` with those of padding examples set to 0 (``ValueError`` for a mask of another shape)."""
     if padding_mask is not None:
         if padding_mask.shape != norms.shape:
             raise ValueError(

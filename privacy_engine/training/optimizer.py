@@ -18,6 +18,7 @@ The step itself is here; its parts are next to it in ``privacy_engine/training/`
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 from privacy_engine.batches.tickets import BatchTicket
 from privacy_engine.capture.step_binding import wrapper_holding
@@ -46,7 +48,7 @@ from privacy_engine.training.optimizer_arguments import (
     trainable_parameters,
 )
 from privacy_engine.training.optimizer_state import STATE_DICT_KEY, OptimizerState
-from privacy_engine.training.parameter_sync import ParameterSync, parameter_ids
+from privacy_engine.training.parameter_sync import OWN_IDS_ATTRIBUTE, ParameterSync, parameter_ids
 from privacy_engine.training.release_checks import ReleaseChecks
 from privacy_engine.training.sampling import ShuffledBatches
 from privacy_engine.training.schedules import checked_clip_bounds, checked_noise_multiplier
@@ -240,9 +242,22 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
 
+    def _patch_step_function(self) -> None:
+        # Optimizer wraps each class's step once (``profile_hook_step``: its step hooks inside a profiler range).
+        # The range costs ~10 us per step even with no profiler recording (the wrapped optimizer's own step opens
+        # one too): this class's step runs exactly torch's wrapper whenever a profiler records or a step hook is
+        # registered, and else the step alone (``_step_without_hooks_or_profiler``).
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        cls = type(self)
+        if not getattr(cls.step, "hooked", False):
+            cls.step = _profiled_only_when_needed(cls.step)
+
     def __getstate__(self) -> dict[str, Any]:
-        # Optimizer.__getstate__ keeps only defaults/state/param_groups; a copy needs everything.
-        return dict(self.__dict__)
+        # Optimizer.__getstate__ keeps only defaults/state/param_groups; a copy needs everything but the ids of
+        # this object's parameters (a copy's are other objects: ParameterSync._own_parameter_ids builds them anew).
+        state = dict(self.__dict__)
+        state.pop(OWN_IDS_ATTRIBUTE, None)
+        return state
 
     # ------------------------------------------------------------------ the wrapped optimizer
     @property
@@ -339,19 +354,24 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
     # ------------------------------------------------------------------ the step contract
     # A wrapper is connected to this optimizer by privacy_engine.connect_private only (make_private calls it):
     # it is then in self.contract.modules. Nothing binds by itself.
-    def _check_connected(self, *, at_step: bool = False) -> None:
+    def _check_connected(self, *, at_step: bool = False, grad_samples_waiting: bool | None = None) -> None:
         """Raise before anything is clipped, released or counted if per-sample gradients waiting here come
         from a wrapper this optimizer is not connected to: ``grad_sample`` on a parameter a wrapper holds
         (``capture.step_binding.wrapper_holding``), or, at the step, sums in the clipper that no pass of
         this optimizer's explains (a fast-clipping wrapper sharing the clipper). ``grad_sample`` a loop set
-        by hand on parameters no wrapper holds (a bare optimizer) is clipped and released as before."""
-        held = [(i, p) for i, p in enumerate(self.clipper.params) if wrapper_holding(p) is not None]
-        if not held:
-            return
+        by hand on parameters no wrapper holds (a bare optimizer) is clipped and released as before.
+        ``grad_samples_waiting``: ``_has_grad_samples()`` if the caller just read it (None: read here)."""
+        if grad_samples_waiting is None:
+            grad_samples_waiting = self._has_grad_samples()
         # Nothing can be refused when no held parameter has grad_sample and the step-time case (sums in the
         # clipper that no pass explains) cannot apply: skip the walk over the connected modules (the usual
         # ghost step: the clipper holds sums, and the pass that put them there contributed).
         explained = not (at_step and self.clipper.has_accumulated and not self.contract.has_contributions)
+        if explained and not grad_samples_waiting:
+            return  # (no parameter has grad_sample, so no held one has)
+        held = [(i, p) for i, p in enumerate(self.clipper.params) if wrapper_holding(p) is not None]
+        if not held:
+            return
         if explained and all(getattr(p, "grad_sample", None) is None for _, p in held):
             return
         connected = {i for module in self.contract.modules for i in parameter_ids(module)}
@@ -430,7 +450,10 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         return None if self.padding_mask_source is None else self.padding_mask_source()
 
     def _has_grad_samples(self) -> bool:
-        return any(getattr(p, "grad_sample", None) is not None for p in self.clipper.params)
+        for param in self.clipper.params:  # a plain loop: once or twice per step over every parameter
+            if getattr(param, "grad_sample", None) is not None:
+                return True
+        return False
 
     def pre_step(self) -> bool:
         """Clip what is waiting; if this step is not skipped, check what the release contains (see
@@ -438,10 +461,12 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         the expected batch size) into ``.grad`` and record the step. Returns whether the wrapped
         optimizer should step now. Every check raises before anything is released or counted."""
         self.sync_private_parameters()
-        self._check_connected(at_step=True)
+        waiting = self._has_grad_samples()
+        self._check_connected(at_step=True, grad_samples_waiting=waiting)
         for module in self.contract.modules:
             module.flush_grad_samples()
-        if self._has_grad_samples():
+        # A flush only hands grad_sample already waiting to the clipper: with none waiting there is nothing to clip.
+        if waiting and self._has_grad_samples():
             self.clip_and_accumulate()
         if self._skip_next_step:
             self._skip_next_step = False
@@ -474,13 +499,16 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             module.forget_forward_batch()  # a later backward must come from a new forward
         if divisor is not None and fused_divisor is None:
             torch._foreach_div_(grads, divisor)
+        marks = {}  # what this step left in .grad (ReleaseChecks._has_stray_gradient)
         for param, grad in zip(params, grads):
             if param.grad is not grad:
-                param.grad = grad.to(param.dtype)  # the noised sum, rounded once
+                grad = grad.to(param.dtype)  # the noised sum, rounded once
+                param.grad = grad
+            marks[id(param)] = (id(grad), grad._version)
         for param in self._all_params:
             if not param.requires_grad:
                 param.grad = None  # frozen: no noise, no update
-        self._grad_marks = {id(p): (id(p.grad), p.grad._version) for p in params}
+        self._grad_marks = marks
         self._run_step_hooks()
         return True
 
@@ -648,11 +676,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             if stepped:
                 # The closure is not passed on: re-evaluating it would overwrite the private .grad.
                 self.original_optimizer.step()
-        if stepped:
-            released = [p.grad for p in self.clipper.params if p.grad is not None]
-        else:
-            released = []  # nothing released (a virtual step's micro-batch): nothing public to react to
         if scaled_step:
+            # Nothing released (a virtual step's micro-batch): nothing public to react to.
+            released = [p.grad for p in self.clipper.params if p.grad is not None] if stepped else []
             self._report_overflow_to_scaler(released)
         return loss
 
@@ -699,3 +725,32 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
     def _run_step_hooks(self) -> None:
         for hook in self.__dict__.get("_step_hooks", ()):
             hook(self)
+
+
+def _profiled_only_when_needed(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` wrapped as ``Optimizer.profile_hook_step`` wraps it, except that with no profiler recording and no
+    step pre/post hook registered (on the optimizer or globally) it runs ``step`` alone, without opening a profiler
+    range that nobody records: the same calls otherwise (``_optimizer_step_code`` after the step)."""
+    profiled = Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not _step_without_hooks_or_profiler(self):
+            return profiled(self, *args, **kwargs)
+        out = step(self, *args, **kwargs)
+        self._optimizer_step_code()
+        return out
+
+    wrapper.hooked = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _step_without_hooks_or_profiler(optimizer: Optimizer) -> bool:
+    """Whether no profiler records (``torch.autograd._profiler_enabled``) and no step pre/post hook is registered, on
+    ``optimizer`` or globally (``torch.optim.optimizer.register_optimizer_step_pre_hook``); False where torch keeps the
+    global hooks under other names (then torch's own wrapper runs)."""
+    if torch.autograd._profiler_enabled() or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    return pre is not None and post is not None and not pre and not post

@@ -12,6 +12,7 @@ that gradient without noise: refused at every forward and step, before anything 
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -24,21 +25,29 @@ if TYPE_CHECKING:
 
 __all__ = ["ParameterSync", "has_foreign_trainable_parameter", "parameter_ids"]
 
+#: Where ``ParameterSync._own_parameter_ids`` keeps its set (left out of a copied optimizer's state).
+OWN_IDS_ATTRIBUTE = "_own_parameter_ids_cache"
+
 
 def _modules_once(root: nn.Module) -> list[nn.Module]:
     """Every module of ``root``'s tree once (``root`` included), as ``root.modules()`` finds them.
 
     The checks before every forward and step walk the whole tree (it may change between steps: a layer
-    replaced, a parameter assigned), so the walk is done anew each time; this plain loop over ``_modules``
-    does what ``named_modules`` does without building the dotted names (about 4x faster on deep models).
+    replaced, a parameter assigned, even straight into ``_parameters`` / ``_modules``, which no hook sees), so the
+    walk is done anew each time; this plain loop over ``_modules`` does what ``named_modules`` does without
+    building the dotted names (about 4x faster on deep models).
     """
     seen = {id(root)}
     found = [root]
     for module in found:  # grows while it is read: a breadth-first walk
-        for child in module._modules.values():
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                found.append(child)
+        children = module._modules
+        if children:
+            for child in children.values():
+                if child is not None:
+                    key = id(child)
+                    if key not in seen:
+                        seen.add(key)
+                        found.append(child)
     return found
 
 
@@ -47,14 +56,29 @@ def parameter_ids(root: nn.Module) -> set[int]:
     return {id(param) for module in _modules_once(root) for param in module._parameters.values() if param is not None}
 
 
-def has_foreign_trainable_parameter(root: nn.Module, known_ids: set[int]) -> bool:
+def has_foreign_trainable_parameter(root: nn.Module, known_ids: set[int] | frozenset[int]) -> bool:
     """Whether a parameter of ``root``'s tree has ``requires_grad`` and an ``id`` outside ``known_ids``: the
-    same answer as ``any(p.requires_grad and id(p) not in known_ids for p in root.parameters())``."""
-    return any(
-        param is not None and param.requires_grad and id(param) not in known_ids
-        for module in _modules_once(root)
-        for param in module._parameters.values()
-    )
+    same answer as ``any(p.requires_grad and id(p) not in known_ids for p in root.parameters())``.
+
+    One breadth-first walk that reads each module's parameters as it reaches it (run twice per step, at the
+    forward and at the step: plain loops, no generators)."""
+    seen = {id(root)}
+    found = [root]
+    for module in found:
+        params = module._parameters
+        if params:
+            for param in params.values():
+                if param is not None and param.requires_grad and id(param) not in known_ids:
+                    return True
+        children = module._modules
+        if children:
+            for child in children.values():
+                if child is not None:
+                    key = id(child)
+                    if key not in seen:
+                        seen.add(key)
+                        found.append(child)
+    return False
 
 
 class ParameterSync:
@@ -81,7 +105,7 @@ class ParameterSync:
         self.check_no_foreign_trainable_parameters()
         active = [p for p in self._all_params if p.requires_grad]
         current = self.clipper.params
-        if len(active) == len(current) and all(a is b for a, b in zip(active, current)):
+        if len(active) == len(current) and all(map(operator.is_, active, current)):
             return
         changed = [p for p in active if all(p is not q for q in current)] or [
             p for p in current if all(p is not q for q in active)
@@ -132,7 +156,7 @@ class ParameterSync:
         frozen again                            allowed again
         ======================================  ============================================
         """
-        mine = {id(p) for p in self._all_params}
+        mine = self._own_parameter_ids()
         for module in self.contract.modules:
             wrapped = getattr(module, "wrapped_module", None)
             if wrapped is None or not has_foreign_trainable_parameter(wrapped, mine):
@@ -149,6 +173,17 @@ class ParameterSync:
                         f"make_private (frozen ones too: they are clipped and noised from when they are "
                         f"unfrozen), or keep {name!r} frozen (requires_grad_(False))."
                     )
+
+    def _own_parameter_ids(self) -> frozenset[int]:
+        """``{id(p) for p in self._all_params}``, built once per ``_all_params`` list (the optimizer's parameters,
+        fixed at construction: ``add_param_group`` is refused). Kept out of a copy's state
+        (``DPOptimizer.__getstate__``): a copy holds other parameter objects, hence other ids."""
+        cached = self.__dict__.get(OWN_IDS_ATTRIBUTE)
+        params = self._all_params
+        if cached is None or cached[0] is not params or cached[1] != len(params):
+            cached = (params, len(params), frozenset(map(id, params)))
+            self.__dict__[OWN_IDS_ATTRIBUTE] = cached
+        return cached[2]
 
     def _clipper_over(self, active: list[nn.Parameter]) -> PerSampleGradientClipper:
         """A clipper configured as the current one, over ``active`` (per-layer: the current groups

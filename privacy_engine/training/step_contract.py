@@ -99,6 +99,7 @@ not; HF ``gradient_checkpointing_enable``)  release as without checkpointing (``
 from __future__ import annotations
 
 import collections
+import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -119,6 +120,8 @@ from privacy_engine.batches.tickets import (
 )
 
 __all__ = ["Release", "StepContract"]
+
+_VERSION = operator.attrgetter("_version")
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -184,7 +187,8 @@ class StepContract:
         self._queues: list[TicketQueue] = []
         # A hand-built optimizer (no loader attached): the loader of the first drawn batch it trains on.
         self._adopted_origin: LoaderOrigin | None = None
-        self._modules: weakref.WeakSet = weakref.WeakSet()
+        # The wrapper attached (at most one), held weakly: the optimizer must not keep a dropped model alive.
+        self._module_ref: weakref.ref | None = None
         self._contributions: list[BatchTicket] = []
         self.current: BatchTicket | None = None  # the batch of the newest training forward
         # The inputs of the newest forward on a drawn batch (until its step): what a joined batch is
@@ -218,12 +222,13 @@ class StepContract:
     def attach_module(self, module: Any) -> None:
         """Make ``module`` the wrapper whose passes this optimizer releases (``connect_private`` does it, once);
         ``ValueError`` if another wrapper already is."""
-        if any(existing is not module for existing in self._modules):
+        existing = None if self._module_ref is None else self._module_ref()
+        if existing is not None and existing is not module:
             raise ValueError(
                 "this optimizer is already connected to another wrapper: one optimizer releases the per-sample "
                 "gradients of one wrapper (privacy_engine.connect_private)."
             )
-        self._modules.add(module)
+        self._module_ref = weakref.ref(module)
 
     @property
     def has_contributions(self) -> bool:
@@ -244,7 +249,8 @@ class StepContract:
     @property
     def modules(self) -> list:
         """The wrappers attached (``attach_module``; at most one), as a new list."""
-        return list(self._modules)
+        module = None if self._module_ref is None else self._module_ref()
+        return [] if module is None else [module]
 
     # ---------------------------------------------------------------------------------------- forward
     def resolve(self, args: tuple, kwargs: Mapping, batch_size: int, *, batch_dim: int = 0,
@@ -411,7 +417,7 @@ class StepContract:
     def check_parameters_unchanged(self, params: list[torch.nn.Parameter], *, where: str) -> None:
         """Raise if the parameters changed in place since the open step's first forward (another
         optimizer stepped them); the first call of a step takes the snapshot."""
-        versions = tuple(p._version for p in params)
+        versions = tuple(map(_VERSION, params))  # (C-level: at every forward and step, over every parameter)
         if self._version_snapshot is None or len(self._version_snapshot) != len(versions):
             self._version_snapshot = versions
             return
@@ -426,7 +432,7 @@ class StepContract:
         self._version_snapshot = versions
 
     def _pending_grad_samples(self) -> bool:
-        return any(module.has_unflushed_passes for module in self._modules)
+        return any(module.has_unflushed_passes for module in self.modules)
 
     # ---------------------------------------------------------------------------------------- backward
     def contributed(self, ticket: BatchTicket) -> None:
@@ -491,10 +497,11 @@ class StepContract:
     def released_draws_after(self, release: Release) -> collections.deque:
         """The window of released draws once ``release`` is released, built without changing anything: the
         optimizer builds it before the accountant records the step, so that nothing can raise after the record."""
-        draws = [ticket.draw for ticket in release.draws]
+        window = self._released_draws.copy()  # same maxlen
+        window.extend(ticket.draw for ticket in release.draws)
         if self._noise_only_draw is not None:
-            draws.append(self._noise_only_draw.draw)
-        return collections.deque([*self._released_draws, *draws], maxlen=self._released_draws.maxlen)
+            window.append(self._noise_only_draw.draw)
+        return window
 
     def released(
         self, release: Release, loader_step: int | None, released_draws: collections.deque | None = None

@@ -25,7 +25,10 @@ sums each user's ``k`` rows before the norm. The weighted sums then weight each 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -42,7 +45,6 @@ from privacy_engine.clipping.ghost.uses import (
     row_numel,
     row_shape,
     shared_parameters,
-    tensor_bytes,
     zero_rows,
 )
 from privacy_engine.clipping.per_user import UserRows, user_rows
@@ -136,22 +138,31 @@ class BackwardPasses:
         return state
 
     def _on_output_grad(self, use: Use, grads: torch.Tensor) -> None:
+        # Run once per gated call in every backward: the checks below take their cheap form where their outcome
+        # is known (each still runs in full whenever it could refuse).
         self._check_live(use.generation)
-        self._refuse_second_pass(use)
+        if use.forward_clipped:
+            self._refuse_second_pass(use)  # raises
         activations = use.activations
         if activations is None:
             raise RuntimeError(
                 f"{module_label(use.path, use.layer)}: a second backward pass ran through the same forward "
                 f"(retain_graph=True). Its inputs were freed after the first; run a new forward for each backward."
             )
-        state = self._pass_for_backward()
+        passes = self._passes
+        state = passes.current
+        if state is None or passes.recomputed:  # else _pass_for_backward would return passes.current as it is
+            state = self._pass_for_backward()
         use.activations, use.consumed = None, True
         state.reached.append(use)
         if use.grad_shape is not None:
             grads = grads.reshape(use.grad_shape)
-        grads, activations = self._batch_first(grads, activations, use.batch_dim)
+        if use.batch_dim != 0:
+            grads, activations = self._batch_first(grads, activations, use.batch_dim)
         batch_size = grads.shape[0]
-        state.note_batch(use, batch_size)
+        noted = state.batch
+        if noted is None or noted[1] != batch_size:  # else note_batch has nothing to record or refuse
+            state.note_batch(use, batch_size)
         if batch_size == 0:
             # An empty (Poisson) batch: no norms, nothing to sum; samplers need not handle it.
             for param, _ in use.parts:
@@ -164,8 +175,16 @@ class BackwardPasses:
         users = state.users
         # Rows kept per materialised gradient: a user-level pass keeps each user's sum.
         kept_rows = batch_size if users is None else users.num_users
-        per_sample_bytes = kept_rows * grads.element_size() * sum(row_numel(p, r) for p, r in use.parts)
-        held_bytes = sum(tensor_bytes(value) for value in (grads, *activations))
+        # Loops, not sums over generators (once per gated call): the same integers as row_numel and tensor_bytes.
+        element_size = grads.element_size()
+        per_sample_numel = 0
+        for param, rows in use.parts:
+            per_sample_numel += param.numel() if rows is None else row_numel(param, rows)
+        per_sample_bytes = kept_rows * element_size * per_sample_numel
+        held_bytes = grads.numel() * element_size
+        for value in activations:
+            if isinstance(value, torch.Tensor):
+                held_bytes += value.numel() * value.element_size()
         # A tied weight's uses keep their inputs and G: its cross terms are formed from them (tied.py).
         tied = state.tied is not None and state.tied.touches(use)
         keep_per_sample = not tied and per_sample_bytes <= self.per_sample_memory_ratio * held_bytes
@@ -274,8 +293,11 @@ class BackwardPasses:
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         # fp16 loss scaling (an attached GradScaler): the output gradients are S times the true ones.
         scale /= clipper.loss_scale() if hasattr(clipper, "loss_scale") else 1.0
-        with torch.no_grad():
-            norms, group_of = self._group_norms_of_pass(state, clipper)
+        # No graph for what follows (torch.no_grad()'s effect, without its context-manager object: once per pass).
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            norms, plan = self._group_norms_of_pass(state, clipper)
             # Norms are homogeneous: scaling the (unscaled-gradient) norms once equals scaling every G.
             if scale != 1.0:
                 norms = norms * scale
@@ -284,20 +306,24 @@ class BackwardPasses:
             # when some norm is non-finite, as every entry then shows in its norm).
             drop_non_finite = _may_hold_non_finite(norms)
             weights = factors * scale
-            sums = _clipped_sums(state, group_of, weights, drop_non_finite)
-            self.last_per_sample_norms = norms
+            sums = _clipped_sums(state, plan, weights, drop_non_finite)
+            # A plain attribute (set in __init__; no parameter, buffer or module of that name): Module.__setattr__'s
+            # registration checks have nothing to do.
+            object.__setattr__(self, "last_per_sample_norms", norms)
             if link.takes_ownership:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask, take_ownership=True)
             else:
                 clipper.accumulate_clipped_sums_(sums, norms, padding_mask=padding_mask)
             if ticket is not None:
                 self._consumer.contract.contributed(ticket)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
         self._mark_forwards_clipped(state)
 
-    def _group_norms_of_pass(self, state: BackwardPass, clipper) -> tuple[torch.Tensor, dict[nn.Parameter, int]]:
+    def _group_norms_of_pass(self, state: BackwardPass, clipper) -> tuple[torch.Tensor, _GroupPlan]:
         """The per-example group norms ``(batch, num_groups)`` of everything ``state`` gathered, from the
-        gradients as kept (the loss reduction's factor and the loss scale not yet applied), and the clipping
-        group (``clipper.group_index``) of each parameter the pass reached."""
+        gradients as kept (the loss reduction's factor and the loss scale not yet applied), and the plan of the
+        clipping groups (``clipper.group_index``) of the parameters the pass reached (``_group_plan``)."""
         if state.rank_one_linear is not None:
             state.rank_one_linear.squared_norms(state.squared_norms)  # fills the entries reserved in backward
         squared = dict(state.squared_norms)
@@ -307,22 +333,67 @@ class BackwardPasses:
             # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
             # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D. Float32 at least.
             materialised_squared = torch.linalg.vector_norm(
-                grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=torch.promote_types(grads.dtype, torch.float32)
+                grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=_promote_types(grads.dtype, torch.float32)
             ).square()
             previous = squared.get(param)
             squared[param] = materialised_squared if previous is None else previous + materialised_squared
-        self._check_known(squared)
+        plan = self._group_plan(squared, clipper)
         # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
         # handed over under one member of each group: the clipper adds a group's squares anyway.
-        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-        group_of = {param: clipper.group_index(param) for param in squared}
-        for param, value in squared.items():
-            by_group.setdefault(group_of[param], []).append((param, value))
+        values = list(squared.values())
         group_squares = {
-            members[0][0]: members[0][1] if len(members) == 1 else torch.stack([v for _, v in members]).sum(dim=0)
-            for members in by_group.values()
+            first: values[positions[0]] if len(positions) == 1 else torch.stack([values[i] for i in positions]).sum(dim=0)
+            for first, positions in plan.groups
         }
-        return clipper.group_norms_from_squared(group_squares), group_of
+        return clipper.group_norms_from_squared(group_squares), plan
+
+    def _group_plan(self, squared: dict[nn.Parameter, torch.Tensor], clipper) -> _GroupPlan:
+        """The clipping groups of the parameters of ``squared`` (in its order), after ``_check_known`` (a
+        parameter outside the clipper raises). Kept per attached clipper (``ClipperLink``, replaced whole by
+        ``attach_clipper``) and per sequence of parameters: a pass reaching the same parameters in the same order
+        (every step of a fixed model) reuses it instead of one check and one group lookup per parameter. The
+        ``id``s in the key cannot be reused by other objects while the plan lives: its ``group_of`` holds each
+        parameter, and only parameters that passed both checks are kept."""
+        link = self._clipping
+        key = tuple(map(id, squared))
+        plans = link.group_plans
+        plan = plans.get(key)
+        if plan is None:
+            self._check_known(squared)
+            group_of = {param: clipper.group_index(param) for param in squared}
+            positions: dict[int, list[int]] = {}
+            for position, column in enumerate(group_of.values()):
+                positions.setdefault(column, []).append(position)
+            params = list(squared)
+            plan = _GroupPlan(
+                group_of=group_of,
+                groups=tuple((params[members[0]], tuple(members)) for members in positions.values()),
+                single_column=next(iter(positions)) if len(positions) == 1 else None,
+            )
+            if len(plans) >= _MAX_GROUP_PLANS:
+                plans.clear()  # passes over many different parameter sets: keep the newest only
+            plans[key] = plan
+        return plan
+
+
+# torch.promote_types goes through the dispatcher; the pass asks once per materialised parameter for the same dtypes.
+_promote_types = functools.cache(torch.promote_types)
+#: Group plans kept per clipper link (``_group_plan``): more parameter sets than this in turn and they are rebuilt.
+_MAX_GROUP_PLANS = 8
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """The clipping groups of the parameters one pass reached, in the order the pass holds them.
+
+    ``group_of``: each parameter's group (column of the norms and factors); read, never changed (it is reused by
+    the passes with the same parameters). ``groups``: per group, in order of first appearance, its first
+    parameter and the positions of its members. ``single_column``: the column when every parameter is in one
+    group (flat clipping), else None."""
+
+    group_of: dict
+    groups: tuple
+    single_column: int | None
 
 
 def _may_hold_non_finite(norms: torch.Tensor) -> bool:
@@ -330,8 +401,12 @@ def _may_hold_non_finite(norms: torch.Tensor) -> bool:
     NaN/Inf: a zero factor does not cancel a NaN/Inf). On CPU the check is free; on another device it would
     wait for the device (a host sync every pass), so there rows are always zeroed where the factor is 0: the same
     sums (those rows add zero either way; at most the sign of an exact zero differs), at the price of one ``where``
-    per kept tensor (``tests/test_ghost_batched.py`` checks the equality on CPU, ``tests/test_cuda_paths.py`` on CUDA)."""
-    return norms.device.type != "cpu" or not bool(torch.isfinite(norms).all())
+    per kept tensor (``tests/test_ghost_batched.py`` checks the equality on CPU, ``tests/test_cuda_paths.py`` on CUDA).
+
+    On CPU the test is one sum (cheaper than ``isfinite(norms).all()``): the sum of the norms is finite only if every
+    norm is (a NaN or an Inf never adds up to a finite number), so every non-finite norm is seen; a sum that
+    overflows with finite norms (norms near the dtype's largest value) only zeroes rows needlessly."""
+    return norms.device.type != "cpu" or not math.isfinite(norms.sum().item())
 
 
 def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, grads: torch.Tensor, weights: torch.Tensor):
@@ -341,20 +416,23 @@ def _weighted_sum_by_materialising(grad_sampler: Callable, activations: tuple, g
     return {param: per_sample.sum(dim=0) for param, per_sample in grad_sampler(activations, scaled).items()}
 
 
-def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, drop_non_finite: bool) -> dict:
+def _clipped_sums(state: BackwardPass, plan: _GroupPlan, weights: torch.Tensor, drop_non_finite: bool) -> dict:
     """``{param: sum_i weights[i, group(param)] g_i}`` over the layers ``state`` deferred and the
     per-example gradients it materialised (``weights``: the clip factors times the gradients' scale;
-    ``group_of``: each of those parameters' clipping group, from ``_group_norms_of_pass``). In a
+    ``plan``: those parameters' clipping groups, from ``_group_norms_of_pass``). In a
     user-level pass ``weights`` and the materialised gradients are per user, and a deferred layer's rows take
     their user's weight."""
     sums: dict[nn.Parameter, torch.Tensor] = {}
+    group_of, single_column = plan.group_of, plan.single_column
     # Each group's weights (and kept rows) are the same for every layer: taken once per pass, not per layer.
     deferred_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def weights_of_column(column: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         cached = deferred_weights.get(column)
         if cached is None:
-            column_weights = weights[:, column] if state.users is None else state.users.expand(weights[:, column])
+            column_weights = weights.select(1, column)
+            if state.users is not None:
+                column_weights = state.users.expand(column_weights)
             cached = deferred_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
         return cached
 
@@ -368,9 +446,12 @@ def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, dr
         # Popped one at a time so each layer's inputs and output gradient are freed as soon as
         # its sum exists: the peak stays near the larger of "all of them" and "all the sums".
         use, weighted_sums, activations, grads = deferred.pop()
-        columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
-        for param, rows in use.parts:
-            columns.setdefault(group_of[param], []).append((param, rows))
+        if single_column is not None:
+            columns = {single_column: use.parts}
+        else:
+            columns: dict[int, list[tuple[nn.Parameter, Rows]]] = {}
+            for param, rows in use.parts:
+                columns.setdefault(group_of[param], []).append((param, rows))
         for column, parts in columns.items():
             column_weights, keep = weights_of_column(column)
             column_activations, column_grads = activations, grads
@@ -383,17 +464,31 @@ def _clipped_sums(state: BackwardPass, group_of: dict, weights: torch.Tensor, dr
                 add_rows(sums, param, rows, result[param])
         del use, weighted_sums, activations, grads, column_activations, column_grads, result
     materialised, state.materialised = state.materialised, {}
-    materialised_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # per column, as deferred_weights
+    # Per (column, dtype): the column's weights in the gradients' dtype and, when rows must be dropped, the kept rows.
+    materialised_weights: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
     while materialised:
         param, grads = materialised.popitem()
-        column = group_of[param]
-        cached = materialised_weights.get(column)
+        column = single_column if single_column is not None else group_of[param]
+        cached = materialised_weights.get((column, grads.dtype))
         if cached is None:
-            column_weights = weights[:, column]
-            cached = materialised_weights[column] = (column_weights, column_weights != 0 if drop_non_finite else None)
+            column_weights = weights.select(1, column)
+            keep = column_weights != 0 if drop_non_finite else None
+            cached = materialised_weights[column, grads.dtype] = (column_weights.to(grads.dtype), keep)
         column_weights, keep = cached
         if drop_non_finite:
             grads = zero_rows(grads, keep)
-        add_rows(sums, param, None, torch.tensordot(column_weights.to(grads.dtype), grads, dims=1))
+        add_rows(sums, param, None, _weighted_rows(column_weights, grads))
         del grads
     return sums
+
+
+def _weighted_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``torch.tensordot(weights, rows, dims=1)`` (``sum_i weights[i] rows[i]``). For plain tensors the op is
+    called without ``torch.tensordot``'s Python argument handling (a few microseconds per materialised parameter):
+    the same ATen op on the same arguments, so the same result."""
+    if type(weights) is torch.Tensor and type(rows) is torch.Tensor and _VF_TENSORDOT is not None:
+        return _VF_TENSORDOT(weights, rows, [-1], [0])
+    return torch.tensordot(weights, rows, dims=1)
+
+
+_VF_TENSORDOT = getattr(getattr(torch, "_VF", None), "tensordot", None)

@@ -54,16 +54,19 @@ _OUTPUT_NOT_SAVED = (
 
 
 class _OutputGate(torch.autograd.Function):
-    """Identity on ``output``; in backward, reports the output gradient and gives the parameters none.
+    """Identity on ``output``; in backward, hands the output gradient to ``wrapper._on_output_grad(use, G)``
+    and gives the parameters none.
 
-    The parameters are inputs only so that the graph contains this node even when the layer's input
-    needs no gradient (the first layer).
+    The parameters are inputs so that the graph contains this node even when the layer's input needs no
+    gradient (the first layer), and so that ``backward(inputs=[param])`` reaches it. The wrapper and its
+    call travel as two inputs, not as a ``partial`` built per call.
     """
 
     @staticmethod
-    def forward(ctx, on_output_grad, in_place, output, *params):
-        ctx.on_output_grad = on_output_grad
-        ctx.num_params = len(params)
+    def forward(ctx, wrapper, use, in_place, output, *params):
+        ctx.wrapper = wrapper
+        ctx.use = use
+        ctx.nones = (None,) * len(params)
         if in_place:
             # Same tensor, new history: later in-place ops on it (ReLU(inplace=True)) stay legal,
             # which they are not on a view returned by a custom Function.
@@ -73,8 +76,8 @@ class _OutputGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.on_output_grad(grad)
-        return (None, None, grad) + (None,) * ctx.num_params
+        ctx.wrapper._on_output_grad(ctx.use, grad)
+        return (None, None, None, grad, *ctx.nones)
 
 
 # ``Function.apply``'s own Python (binding default arguments, functorch's unwrapping of dead wrappers) costs a few
@@ -87,18 +90,35 @@ except (AttributeError, KeyError):  # pragma: no cover (torch internals moved)
     _apply_directly = _unwrap_if_dead = None
 
 
-def _apply_gate(on_output_grad, in_place: bool, output: torch.Tensor, params: list) -> torch.Tensor:
+def _apply_gate(wrapper, use: Use, in_place: bool, output: torch.Tensor, params: list) -> torch.Tensor:
+    """``output`` through ``_OutputGate`` (``params``: the layer's trainable parameters, inputs of the gate).
+
+    The parameters are inputs of every gate, also where the layer's input needs a gradient (which alone would put
+    the gate in the graph): ``loss.backward(inputs=[a later layer's weight])`` then reaches that layer's gate and
+    clips what it reaches, as hooks mode does, instead of releasing nothing for it. Measured cost: ~7 us per layer
+    and step (backward visits each parameter's ``AccumulateGrad`` with no gradient)."""
     if _apply_directly is None or torch._C._are_functorch_transforms_active():
-        return _OutputGate.apply(on_output_grad, in_place, output, *params)
-    return _apply_directly(on_output_grad, in_place, _unwrap_if_dead(output), *map(_unwrap_if_dead, params))
+        return _OutputGate.apply(wrapper, use, in_place, output, *params)
+    return _apply_directly(wrapper, use, in_place, _unwrap_if_dead(output), *map(_unwrap_if_dead, params))
+
+
+def _is_among(value: torch.Tensor, args: tuple) -> bool:
+    """Whether ``value`` is one of ``args`` (identity; a loop, not ``any`` over a generator: once per gated call)."""
+    for arg in args:
+        if arg is value:
+            return True
+    return False
 
 
 class GatedLayers:
     """Mixin: replace a sampled layer's forward by its gated form."""
 
-    def _gate(self, use: Use, output: torch.Tensor, in_place: bool) -> torch.Tensor:
+    def _gate(self, use: Use, output: torch.Tensor, in_place: bool, params: list | None = None) -> torch.Tensor:
+        """``output`` through the gate of ``use`` (``params``: its parameters, those of ``use.parts`` when None)."""
         use.generation = self._generation
-        recompute = self._recompute_kind()
+        # Inside the wrapper's own forward (every call but a checkpoint's recomputation) there is no recomputation
+        # to look for: ``_recompute_kind`` would return None.
+        recompute = None if self._flags.in_forward else self._recompute_kind()
         if recompute == NON_REENTRANT:
             # A non-reentrant checkpoint's recomputation: the same gated output as the first forward (the
             # checkpoint checks what it saves), but backward runs through the first forward's gate, whose
@@ -108,26 +128,30 @@ class GatedLayers:
             if recompute == REENTRANT:
                 self._prepare_recompute_pass()
             self._passes.pending.add(use)
-        return _apply_gate(partial(self._on_output_grad, use), in_place, output, [param for param, _ in use.parts])
+        if params is None:
+            params = [param for param, _ in use.parts]
+        return _apply_gate(self, use, in_place, output, params)
 
-    def _gate_output(self, use: Use, output: torch.Tensor, safe_type: bool, args: tuple) -> torch.Tensor:
+    def _gate_output(
+        self, use: Use, output: torch.Tensor, safe_type: bool, args: tuple, params: list | None = None
+    ) -> torch.Tensor:
         """Gate ``output`` in place when that is safe, through its base when it is a plain reshape of
         a fresh tensor, otherwise a copy of it."""
-        if safe_type and not any(output is a for a in args):
+        if safe_type and not _is_among(output, args):
             base = output._base
-            if base is None and not (output.is_leaf and output.requires_grad):
-                return self._gate(use, output, True)
-            if (
-                base is not None
-                and base.numel() == output.numel()
+            if base is None:
+                if not (output.is_leaf and output.requires_grad):
+                    return self._gate(use, output, True, params)
+            elif (
+                base.numel() == output.numel()
                 and base.is_contiguous()
                 and output.is_contiguous()
                 and not (base.is_leaf and base.requires_grad)
-                and not any(base is a for a in args)
+                and not _is_among(base, args)
             ):
                 use.grad_shape = output.shape  # G then arrives in the base's shape
-                return self._gate(use, base, True).view(output.shape)
-        return self._gate(use, output, False)
+                return self._gate(use, base, True, params).view(output.shape)
+        return self._gate(use, output, False, params)
 
     def _patch_gated(self, path: str, layer: nn.Module, sampler: GradSampler) -> None:
         # A PatchedForward, not a closure: the wrapped model stays picklable (torch.save).
@@ -149,32 +173,43 @@ class GatedLayers:
         return norms, sums, in_float32(partial(sampler, layer)), stacked, rank_one
 
     def _gated_forward(self, patched: PatchedForward, args: tuple, kwargs: dict):
-        """The forward of a sampled layer (``patched.module``): its output through the gate."""
-        path, layer, original = patched.path, patched.module, patched.original
-        if self._flags.inside_fallback or not (layer.training and torch.is_grad_enabled()):
-            output = original(*args, **kwargs)
-            if layer.training and not self._flags.inside_fallback:
-                self._note_batch_without_grad(output, path)  # a reentrant checkpoint's first forward
+        """The forward of a sampled layer (``patched.module``): its output through the gate.
+
+        Run once per layer and forward, so kept to few calls: the trainable parameters are read afresh at every
+        call (a parameter frozen, unfrozen or replaced between calls is seen at the next one), only the samplers
+        bound to the layer are cached (``patched.derived``)."""
+        layer = patched.module
+        flags = self._flags
+        if flags.inside_fallback or not (layer.training and torch.is_grad_enabled()):
+            output = patched.original(*args, **kwargs)
+            if layer.training and not flags.inside_fallback:
+                self._note_batch_without_grad(output, patched.path)  # a reentrant checkpoint's first forward
             return output
         own = layer._parameters
-        trainable = [(name, p) for name, p in own.items() if p is not None and p.requires_grad]
-        if not trainable:
-            return original(*args, **kwargs)
-        if patched.derived is None:
-            patched.derived = self._gate_samplers(layer, patched.context["sampler"])
-        norms, sums, grads, stacked, rank_one = patched.derived
+        params = [param for param in own.values() if param is not None and param.requires_grad]
+        if not params:
+            return patched.original(*args, **kwargs)
+        path = patched.path
+        derived = patched.derived
+        if derived is None:
+            derived = patched.derived = self._gate_samplers(layer, patched.context["sampler"])
+        norms, sums, grads, stacked, rank_one = derived
         if kwargs:
-            bound = inspect.signature(original).bind(*args, **kwargs)
+            bound = inspect.signature(patched.original).bind(*args, **kwargs)
             bound.apply_defaults()
             args, kwargs = tuple(bound.arguments.values()), {}
         if type(layer) is nn.Linear and len(args) == 1:
-            bias = layer.bias
-            output = F.linear(args[0], layer.weight.detach(), None if bias is None else bias.detach())
+            # ``layer.weight`` and ``layer.bias`` without nn.Module.__getattr__ when they are registered parameters
+            # (not ``own.get(name, layer.<name>)``, which would look the attribute up every time).
+            weight = own["weight"] if "weight" in own else layer.weight  # noqa: SIM401
+            bias = own["bias"] if "bias" in own else layer.bias  # noqa: SIM401
+            output = F.linear(args[0], weight.detach(), None if bias is None else bias.detach())
         else:
+            trainable = [(name, param) for name, param in own.items() if param is not None and param.requires_grad]
             try:
                 for name, param in trainable:
                     own[name] = param.detach()
-                output = original(*args)
+                output = patched.original(*args)
             finally:
                 for name, param in trainable:
                     own[name] = param
@@ -183,25 +218,19 @@ class GatedLayers:
                 f"ghost clipping: {module_label(path, layer)} returned "
                 f"{type(output).__name__}; a layer with a grad sampler must return one tensor"
             )
-        self._check_called_through_wrapper(path)
+        if not flags.in_forward:  # inside the wrapper's forward the check has nothing to refuse (it returns None)
+            self._check_called_through_wrapper(path)
         dim = self._layer_dim(path)
         broadcast_to = self._note_batch_size(path, output.shape[dim])
-        activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            activations = (args[0].detach(),)
+        else:
+            activations = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         if broadcast_to is not None:
             # Shared by every example (see GradSampleModule._note_batch_size): expanded before the
             # gate, so that G arrives per example.
             activations = self._broadcast_activations(path, layer, activations, broadcast_to)
             output = expand_batch(output, dim, broadcast_to)
-        use = Use(
-            path=path,
-            layer=layer,
-            parts=tuple((param, None) for _, param in trainable),
-            activations=activations,
-            norms=norms,
-            sums=sums,
-            grads=grads,
-            batch_dim=dim,
-            stacks_users=stacked,
-            rank_one_linear=rank_one,
-        )
-        return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args)
+        use = Use(path, layer, tuple([(param, None) for param in params]), activations, norms, sums, grads,
+                  batch_dim=dim, stacks_users=stacked, rank_one_linear=rank_one)  # fmt: skip
+        return self._gate_output(use, output, type(layer) in _OUTPUT_NOT_SAVED, args, params)

@@ -8,8 +8,9 @@ part in training. One file per part: the gate (``gate.py``), the attention decom
 wrapper and its clipper.
 
 - A layer with a registered sampler runs its forward with *detached* parameters, and its output goes
-  through a small autograd function (the *gate*) that returns it unchanged and takes the parameters
-  as inputs. In backward the gate hands the output gradient ``G`` to this module and returns nothing
+  through a small autograd function (the *gate*) that returns it unchanged (and takes the parameters
+  as inputs where the layer's input needs no gradient, to be in the graph). In backward the gate hands
+  the output gradient ``G`` to this module and returns nothing
   for the parameters: the graph still reaches earlier layers through the input, but the ordinary
   weight-gradient product is never computed (it would be done twice otherwise: once by autograd,
   once for the clipped sum).

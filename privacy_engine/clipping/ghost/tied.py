@@ -216,6 +216,8 @@ def _inner_products(first: _Factors, second: _Factors) -> torch.Tensor:
         column_gram = torch.bmm(first.columns[rows].to(dtype), second.columns[rows].to(dtype).transpose(1, 2))
         row_gram = _row_gram(first, second, rows).to(dtype)
         results.append((row_gram * column_gram).sum(dim=(1, 2)))
+    if len(results) == 1:
+        return results[0]  # one block (the usual case): the same values, without cat's copy
     return torch.cat(results) if results else first.columns.new_zeros(0, dtype=dtype)
 
 

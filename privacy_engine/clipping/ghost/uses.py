@@ -85,14 +85,21 @@ class Use:
 def shared_parameters(uses: Sequence[Use]) -> set:
     """Parameters whose uses overlap (a whole-parameter use twice, or overlapping row blocks): their
     per-example norm needs cross terms, so they are materialised."""
-    spans: dict[nn.Parameter, list[Rows]] = {}
+    # Keyed by id, not by the parameter: a tensor's __hash__ is a Python call, and this runs over every call of
+    # the pass (the uses hold their parameters, so no id is reused while it runs). Entry: [param, rows, rows, ...].
+    spans: dict[int, list] = {}
     for use in uses:
         for param, rows in use.parts:
-            spans.setdefault(param, []).append(rows)
+            entry = spans.get(id(param))
+            if entry is None:
+                spans[id(param)] = [param, rows]
+            else:
+                entry.append(rows)
     shared = set()
-    for param, rows_list in spans.items():
-        if len(rows_list) < 2:
+    for entry in spans.values():
+        if len(entry) < 3:
             continue
+        param, rows_list = entry[0], entry[1:]
         if any(rows is None for rows in rows_list):
             shared.add(param)
             continue
@@ -245,6 +252,9 @@ class ClipperLink:
     param_ids: frozenset[int]
     takes_ownership: bool
     padding_mask_source: Callable[[], torch.Tensor | None] | None = None
+    #: The end of pass's group plans checked against this clipper (``BackwardPasses._group_plan``): they live and
+    #: go with the link (a wrapper pickles without it), so no table outside the wrapper keeps its parameters alive.
+    group_plans: dict = field(default_factory=dict, repr=False)
 
 
 def check_sampler_result(kind: str, use: Use, result: dict, expected: Callable[[nn.Parameter, Rows], tuple]) -> None:
