@@ -67,6 +67,34 @@ def test_norms_and_sums_equal_the_per_layer_samplers_bit_for_bit(dtype, batch_si
             assert torch.equal(sums[param], expected_sums[param])
 
 
+@pytest.mark.parametrize("drop_row", [False, True])
+def test_single_column_gives_the_sums_of_the_per_call_lookup(drop_row):
+    """``weighted_sums(..., single_column=c)`` (flat clipping: no lookup per call) adds exactly what the per-call
+    column lookup adds: same keys, same tensors bit for bit, with and without rows to drop."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(4, 4)] * 3 + [(3, 9), (300, 200)]
+    layers = [nn.Linear(i, o) for i, o in shapes]
+    weights = torch.rand(6, 1, generator=generator)
+    keep = torch.tensor([True, False, True, True, True, True]) if drop_row else None
+    results = []
+    for single in (False, True):
+        calls = [_call(layer, 6, torch.float32, torch.Generator().manual_seed(index)) for index, layer in enumerate(layers)]
+        kept = batched.RankOneLinearLayers()
+        squared: dict = {}
+        for call in calls:
+            kept.add(call, squared)
+        kept.squared_norms(squared)
+        column_of = {p: 0 for call in calls for p, _ in call.use.parts}
+        sums: dict = {}
+        fallback: list = []
+        kept.weighted_sums(lambda column: (weights[:, column], keep), sums, column_of, fallback, 0 if single else None)
+        assert not fallback
+        results.append(sums)
+    assert list(results[0]) and set(results[0]) == set(results[1])
+    for param, value in results[0].items():
+        assert torch.equal(value, results[1][param])
+
+
 def test_calls_it_cannot_do_exactly_are_left_to_the_samplers():
     layer = nn.Linear(4, 3)
     use = Use(path="", layer=layer, parts=((layer.weight, None), (layer.bias, None)), rank_one_linear=True)

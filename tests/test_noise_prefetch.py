@@ -169,3 +169,25 @@ def test_prefetch_must_be_a_bool_or_none(prefetch):
         GaussianNoise(seed=0, prefetch=prefetch)
     with pytest.raises(ValueError, match="prefetch must be True, False or None"):
         BandMFNoise([1.0], seed=0, prefetch=prefetch)
+
+
+def test_a_draw_is_taken_only_while_every_generator_is_in_its_start_state():
+    # PendingDraw.matches compares CPU states as bytes: one draw from a generator (or a changed counter key) must
+    # make it refuse, and a state equal in value (a fresh copy) must let it take the draw.
+    import numpy as np
+
+    from privacy_engine.noise import counter_stream
+
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draw = noise_prefetch.PendingDraw(torch.empty(1), 1.0, [g.get_state() for g in generators], [], None)
+    assert draw.matches(generators, 1.0)
+    assert not draw.matches(generators, 2.0)
+    torch.randn(1, generator=generators[1])
+    assert not draw.matches(generators, 1.0)
+    key = counter_stream.StreamKey(np.array([3, 4], dtype=np.uint64))
+    keyed = noise_prefetch.PendingDraw(torch.empty(1), 1.0, [key.get_state()], [], None)
+    assert keyed.matches([key], 1.0)
+    changed = key.get_state()
+    changed[0] ^= 1
+    key.set_state(changed)
+    assert not keyed.matches([key], 1.0)

@@ -152,5 +152,14 @@ class PendingDraw:
         return (
             std == self.std
             and len(generators) == len(self.start_states)
-            and all(torch.equal(g.get_state(), s) for g, s in zip(generators, self.start_states))
+            and all(_same_state(g.get_state(), s) for g, s in zip(generators, self.start_states))
         )
+
+
+def _same_state(state: torch.Tensor, start: torch.Tensor) -> bool:
+    """Whether two generator states are the same bytes: a CPU state (the 5 KB Mersenne-Twister state, or a counter
+    key) compared as bytes, about 2x cheaper than ``torch.equal``'s dispatch once per step; any other, by
+    ``torch.equal``. Exact either way: equal bytes, equal length."""
+    if state.device.type == "cpu" and start.device.type == "cpu" and state.dtype == start.dtype == torch.uint8:
+        return state.numpy().tobytes() == start.numpy().tobytes()
+    return torch.equal(state, start)

@@ -19,6 +19,8 @@ The step itself is here; its parts are next to it in ``privacy_engine/training/`
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +57,11 @@ from privacy_engine.training.schedules import checked_clip_bounds, checked_noise
 from privacy_engine.training.step_contract import Release, StepContract
 
 __all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
+
+# C-level getters for the per-parameter passes of a step (one map over the parameters instead of a Python loop).
+_GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_is_not_none = functools.partial(operator.is_not, None)
 
 
 class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Optimizer):
@@ -450,10 +457,9 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         return None if self.padding_mask_source is None else self.padding_mask_source()
 
     def _has_grad_samples(self) -> bool:
-        for param in self.clipper.params:  # a plain loop: once or twice per step over every parameter
-            if getattr(param, "grad_sample", None) is not None:
-                return True
-        return False
+        # ``any(getattr(p, "grad_sample", None) is not None for p in params)`` as C-level maps (read 2-3 times a step).
+        params = self.clipper.params
+        return any(map(_is_not_none, map(getattr, params, itertools.repeat("grad_sample"), itertools.repeat(None))))
 
     def pre_step(self) -> bool:
         """Clip what is waiting; if this step is not skipped, check what the release contains (see
@@ -499,16 +505,18 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             module.forget_forward_batch()  # a later backward must come from a new forward
         if divisor is not None and fused_divisor is None:
             torch._foreach_div_(grads, divisor)
-        marks = {}  # what this step left in .grad (ReleaseChecks._has_stray_gradient)
-        for param, grad in zip(params, grads):
-            if param.grad is not grad:
-                grad = grad.to(param.dtype)  # the noised sum, rounded once
-                param.grad = grad
-            marks[id(param)] = (id(grad), grad._version)
-        for param in self._all_params:
-            if not param.requires_grad:
-                param.grad = None  # frozen: no noise, no update
-        self._grad_marks = marks
+        released = grads
+        if not all(map(operator.is_, map(_GRAD, params), grads)):  # (the clipper wrote each sum of a param's dtype)
+            released = []
+            for param, grad in zip(params, grads):
+                if param.grad is not grad:
+                    grad = grad.to(param.dtype)  # the noised sum, rounded once
+                    param.grad = grad
+                released.append(grad)
+        # What this step left in .grad (ReleaseChecks._has_stray_gradient): id(param) -> (id(.grad), its version).
+        self._grad_marks = dict(zip(map(id, params), zip(map(id, released), map(_VERSION, released))))
+        for param in itertools.filterfalse(_REQUIRES_GRAD, self._all_params):
+            param.grad = None  # frozen: no noise, no update
         self._run_step_hooks()
         return True
 
@@ -686,9 +694,10 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         """Clear ``.grad`` and ``grad_sample`` of the parameters, and the accumulated clipped sum
         unless a logical step is open (the last ``step()`` was skipped): virtual steps call
         ``zero_grad()`` between micro-batches of one logical batch."""
-        for param in self.clipper.params:
-            if getattr(param, "grad_sample", None) is not None:
-                param.grad_sample = None
+        if self._has_grad_samples():
+            for param in self.clipper.params:
+                if getattr(param, "grad_sample", None) is not None:
+                    param.grad_sample = None
         if not self._in_logical_step:
             # Everything gathered for the open step is dropped: nothing of it is released or counted.
             self.clipper.reset()

@@ -28,6 +28,8 @@ __all__ = ["ParameterSync", "has_foreign_trainable_parameter", "parameter_ids"]
 #: Where ``ParameterSync._own_parameter_ids`` keeps its set (left out of a copied optimizer's state).
 OWN_IDS_ATTRIBUTE = "_own_parameter_ids_cache"
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 
 def _modules_once(root: nn.Module) -> list[nn.Module]:
     """Every module of ``root``'s tree once (``root`` included), as ``root.modules()`` finds them.
@@ -103,7 +105,7 @@ class ParameterSync:
         module docstring; ``check_no_foreign_trainable_parameters``).
         """
         self.check_no_foreign_trainable_parameters()
-        active = [p for p in self._all_params if p.requires_grad]
+        active = list(filter(_REQUIRES_GRAD, self._all_params))
         current = self.clipper.params
         if len(active) == len(current) and all(map(operator.is_, active, current)):
             return

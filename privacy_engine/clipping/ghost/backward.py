@@ -341,10 +341,15 @@ class BackwardPasses:
         # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
         # handed over under one member of each group: the clipper adds a group's squares anyway.
         values = list(squared.values())
-        group_squares = {
-            first: values[positions[0]] if len(positions) == 1 else torch.stack([values[i] for i in positions]).sum(dim=0)
-            for first, positions in plan.groups
-        }
+        if plan.single_column is not None:
+            # One group holding every entry in order (flat clipping): positions are 0..n-1, no list to gather.
+            ((first, _),) = plan.groups
+            group_squares = {first: values[0] if len(values) == 1 else torch.stack(values).sum(dim=0)}
+        else:
+            group_squares = {
+                first: values[positions[0]] if len(positions) == 1 else torch.stack([values[i] for i in positions]).sum(dim=0)
+                for first, positions in plan.groups
+            }
         return clipper.group_norms_from_squared(group_squares), plan
 
     def _group_plan(self, squared: dict[nn.Parameter, torch.Tensor], clipper) -> _GroupPlan:
@@ -439,7 +444,7 @@ def _clipped_sums(state: BackwardPass, plan: _GroupPlan, weights: torch.Tensor, 
     deferred, state.deferred = state.deferred, []
     if state.rank_one_linear is not None:
         unbatched: list = []  # (use, activations, G) of calls whose weight and bias sit in different groups
-        state.rank_one_linear.weighted_sums(weights_of_column, sums, group_of, unbatched)
+        state.rank_one_linear.weighted_sums(weights_of_column, sums, group_of, unbatched, single_column)
         deferred.extend((use, use.sums, activations, grads) for use, activations, grads in unbatched)
     deferred.reverse()
     while deferred:

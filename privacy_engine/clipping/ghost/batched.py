@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from privacy_engine.clipping.ghost.uses import Use, add_rows
+from privacy_engine.clipping.ghost.uses import Use
 
 __all__ = ["RankOneLinear", "RankOneLinearLayers", "rank_one_linear"]
 
@@ -65,14 +65,17 @@ def rank_one_linear(use: Use, activations: tuple, grads: torch.Tensor) -> RankOn
         and grads.is_contiguous()
     ):
         return None
-    layer = use.layer
+    # The layer's registered weight and bias from its parameter dict (``layer.weight`` is nn.Module.__getattr__, a
+    # Python call, here up to three per call); the parts are the layer's trainable registered parameters.
+    own = use.layer._parameters
+    layer_weight, layer_bias = own.get("weight"), own.get("bias")
     weight = bias = None
     for param, rows in use.parts:
         if rows is not None:
             return None
-        if param is layer.weight:
+        if param is layer_weight:
             weight = param
-        elif param is layer.bias:
+        elif param is layer_bias:
             bias = param
         else:
             return None
@@ -126,9 +129,15 @@ class _Stack:
         else:
             inputs = inputs * per_example
         transposed = grads.transpose(-2, -1)  # each call's slice laid out as the per-layer G^T
+        # add_rows(sums, param, None, value) inlined (twice per call, every pass): the same dict update, with one
+        # lookup (a parameter's hash is a Python call) when the parameter has no sum yet (the usual case).
         if has_weight:
+            mm = torch.mm
             for call, left, right in zip(self.calls, self._each(transposed), self._each(inputs)):
-                add_rows(sums, call.weight, None, torch.mm(left, right))
+                param, value = call.weight, mm(left, right)
+                previous = sums.setdefault(param, value)
+                if previous is not value:
+                    sums[param] = previous + value
         if first.bias is not None:
             if scale_grads:
                 bias_sums = self._each(transposed.sum(dim=-1))
@@ -138,7 +147,10 @@ class _Stack:
                     for left, column in zip(self._each(transposed), columns)
                 ]
             for call, value in zip(self.calls, bias_sums):
-                add_rows(sums, call.bias, None, value)
+                param = call.bias
+                previous = sums.setdefault(param, value)
+                if previous is not value:
+                    sums[param] = previous + value
 
 
 class RankOneLinearLayers:
@@ -172,14 +184,30 @@ class RankOneLinearLayers:
         for stack in self._stacks:
             stack.squared_norms(squared_norms)
 
-    def weighted_sums(self, column_weights, sums: dict, group_of: dict, fallback: list) -> None:
+    def weighted_sums(
+        self, column_weights, sums: dict, group_of: dict, fallback: list, single_column: int | None = None
+    ) -> None:
         """Add every call's clipped sum into ``sums``. ``column_weights(column) -> (weights (B,), keep (B,) or
         None)``: a clipping column's weights and, when rows must be dropped, the rows to keep. A call whose
         weight and bias sit in different columns is appended to ``fallback`` as ``(use, inputs, grads)`` for the
-        per-layer samplers."""
+        per-layer samplers. ``single_column``: the column of every parameter in ``group_of`` when the caller
+        knows they all share one (flat clipping): each stack is then taken whole, without a lookup per call."""
         stacks, self._stacks = self._stacks, []
         while stacks:
             stack = stacks.pop()
+            if single_column is not None:
+                column, keep = column_weights(single_column)
+                weights = column
+                if not stack.single:
+                    weights = column.unsqueeze(0)
+                    keep = None if keep is None else keep.unsqueeze(0)
+                if keep is not None:
+                    mask = keep.unsqueeze(-1)  # as below
+                    stack.inputs = torch.where(mask, stack.inputs, 0.0)
+                    stack.grads = torch.where(mask, stack.grads, 0.0)
+                stack.weighted_sums(weights, [column] * len(stack.calls), sums)
+                del stack
+                continue
             calls = []
             for call in stack.calls:
                 columns = {group_of[param] for param, _ in call.use.parts}

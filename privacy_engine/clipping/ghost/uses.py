@@ -233,9 +233,10 @@ class GhostPasses:
         """End the current pass (finished or abandoned) and zero the kept buffers: per-example gradients never
         outlive their pass, even in memory kept for the next one."""
         self.current = None
-        with torch.no_grad():
-            for buffer in self.buffers.values():
-                buffer.zero_()
+        if self.buffers:  # (no grad-mode context object per pass when nothing is kept: the usual case)
+            with torch.no_grad():
+                for buffer in self.buffers.values():
+                    buffer.zero_()
 
 
 @dataclass(frozen=True, eq=False)
