@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_noise_stream import noised_and_divided
 
 from privacy_engine.noise import GaussianNoise
 from privacy_engine.noise import counter_stream as cs
@@ -62,11 +63,7 @@ def test_the_serial_stream_adds_the_bits_of_one_draw_one_add_and_one_division(on
     for step, divide_by in enumerate([None, 37.0, 256.0, 0.5]):  # 256 and 0.5: multiplied by the exact reciprocal
         gradients = _gradients(shapes, dtype, step)
         noise = torch.empty(numel, dtype=dtype).normal_(0.0, STD, generator=reference)
-        expected, offset = [], 0
-        for gradient in gradients:
-            added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
-            expected.append(added if divide_by is None else added / divide_by)
-            offset += gradient.numel()
+        expected = noised_and_divided(gradients, noise, divide_by)
         mechanism.add_noise_(gradients, 1.3, 0.7, divide_by=divide_by)
         assert all(torch.equal(a, b) for a, b in zip(gradients, expected)), (step, divide_by)
         assert torch.equal(mechanism._groups[0].generators[0].get_state(), reference.get_state()), step

@@ -67,6 +67,17 @@ def _reference_chunk(key: cs.StreamKey, step: int, chunk: int, numel: int, std: 
     return torch.empty(numel).normal_(0.0, std, generator=generator)
 
 
+
+def noised_and_divided(gradients: list, noise: torch.Tensor, divide_by: float | None) -> list:
+    """What ``add_noise_(gradients, ..., divide_by=...)`` must leave: each gradient plus its slice of the flat
+    ``noise`` (in order), divided by ``divide_by`` when given, in the order of ops the mechanism documents."""
+    expected, offset = [], 0
+    for gradient in gradients:
+        added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
+        expected.append(added if divide_by is None else added / divide_by)
+        offset += gradient.numel()
+    return expected
+
 def test_each_chunk_is_the_specified_philox_keyed_draw():
     key = cs.stream_key(11, 0)
     numel = 2 * cs.CHUNK_NUMEL + 1000
@@ -468,12 +479,7 @@ def _chunked_reference(seed: int, step: int, gradients: list[torch.Tensor], std:
     numel = sum(g.numel() for g in gradients)
     noise = torch.empty(numel, dtype=gradients[0].dtype)
     cs.draw_counter_noise(noise, None, [cs.stream_key(seed, 0)], step, std)
-    out, offset = [], 0
-    for gradient in gradients:
-        added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
-        out.append(added if divide_by is None else added / divide_by)
-        offset += gradient.numel()
-    return out
+    return noised_and_divided(gradients, noise, divide_by)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -546,11 +552,7 @@ def test_the_serial_stream_drawn_by_one_thread_and_added_by_another_releases_the
             gradients = [torch.randn(shape, generator=generator, dtype=dtype) for shape in shapes]
             noise = torch.empty(sum(g.numel() for g in gradients), dtype=dtype)
             noise.normal_(0.0, 1.3 * 0.7, generator=reference)
-            expected, offset = [], 0
-            for gradient in gradients:
-                added = gradient + noise[offset : offset + gradient.numel()].view(gradient.shape)
-                expected.append(added if divide_by is None else added / divide_by)
-                offset += gradient.numel()
+            expected = noised_and_divided(gradients, noise, divide_by)
             mechanism.add_noise_(gradients, 1.3, 0.7, divide_by=divide_by)
             assert all(torch.equal(a, b) for a, b in zip(gradients, expected)), (step, divide_by)
         assert torch.equal(mechanism._groups[0].generators[0].get_state(), reference.get_state())

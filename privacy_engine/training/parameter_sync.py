@@ -62,24 +62,13 @@ def has_foreign_trainable_parameter(root: nn.Module, known_ids: set[int] | froze
     """Whether a parameter of ``root``'s tree has ``requires_grad`` and an ``id`` outside ``known_ids``: the
     same answer as ``any(p.requires_grad and id(p) not in known_ids for p in root.parameters())``.
 
-    One breadth-first walk that reads each module's parameters as it reaches it (run twice per step, at the
-    forward and at the step: plain loops, no generators)."""
-    seen = {id(root)}
-    found = [root]
-    for module in found:
+    Run twice per step (at the forward and at the step): plain loops, no generators."""
+    for module in _modules_once(root):
         params = module._parameters
         if params:
             for param in params.values():
                 if param is not None and param.requires_grad and id(param) not in known_ids:
                     return True
-        children = module._modules
-        if children:
-            for child in children.values():
-                if child is not None:
-                    key = id(child)
-                    if key not in seen:
-                        seen.add(key)
-                        found.append(child)
     return False
 
 
