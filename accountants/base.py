@@ -134,7 +134,9 @@ class Accountant(AccountantStateMixin, WhatIfMixin, abc.ABC):
         out-of-range argument        ValueError / TypeError naming it
         ===========================  ================================================
         """
-        position = self._latest_position(source)
+        history = self._history
+        # (_latest_position's first look, inline: the usual step's source is the last entry's)
+        position = len(history) - 1 if history and history[-1].source == source else self._latest_position(source)
         if (
             position is not None
             and type(num_steps) is int

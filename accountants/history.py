@@ -135,8 +135,11 @@ class HistoryEntry:
             and type(num_bands) is int and num_bands == self.num_bands
             and type(batches_per_step) is int and batches_per_step == self.batches_per_step
             and type(mechanism) is str and mechanism == self.mechanism
-            and _same_plain_int_or_none(group_size, self.group_size)
-            and _same_plain_int_or_none(max_batch_size, self.max_batch_size)
+            # (None where the field is None, else a plain int equal to it; spelled out: once per step)
+            and (group_size is None if self.group_size is None
+                 else type(group_size) is int and group_size == self.group_size)
+            and (max_batch_size is None if self.max_batch_size is None
+                 else type(max_batch_size) is int and max_batch_size == self.max_batch_size)
         )  # fmt: skip
 
     @property
@@ -191,10 +194,6 @@ class HistoryEntry:
                 f"history entry has unknown keys {unknown}; allowed: {sorted(fields)}."
             )
         return cls(**data)
-
-
-def _same_plain_int_or_none(value: object, field: int | None) -> bool:
-    return value is None if field is None else type(value) is int and value == field
 
 
 def _listed(value: Any) -> Any:

@@ -11,8 +11,12 @@ from torch import nn
 
 def trainable_weight_and_bias(layer: nn.Module) -> tuple[nn.Parameter | None, nn.Parameter | None]:
     """``(weight, bias)`` of ``layer``, each None when absent or frozen (``requires_grad=False``)."""
-    weight = getattr(layer, "weight", None)
-    bias = getattr(layer, "bias", None)
+    # Registered parameters are read from ``_parameters`` directly: what ``getattr`` returns for them (a name
+    # registered as a parameter cannot also be a class or instance attribute), without nn.Module.__getattr__'s
+    # Python call once per sampler call. Other names (a plain attribute, a buffer) still go through getattr.
+    own = layer._parameters
+    weight = own["weight"] if "weight" in own else getattr(layer, "weight", None)
+    bias = own["bias"] if "bias" in own else getattr(layer, "bias", None)
     return (
         weight if weight is not None and weight.requires_grad else None,
         bias if bias is not None and bias.requires_grad else None,
@@ -29,14 +33,17 @@ def keyed_by_parameter(
 def scale_per_example(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``tensor`` (batch first) with example ``i`` multiplied by ``weights[i]``: the output gradient a
     weighted-sum sampler differentiates with (every gradient is linear in it)."""
-    return tensor * weights.to(tensor.dtype).reshape(-1, *([1] * (tensor.dim() - 1)))
+    if weights.dtype is not tensor.dtype:
+        weights = weights.to(tensor.dtype)
+    return tensor * weights.reshape(-1, *([1] * (tensor.dim() - 1)))
 
 
 def common_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The dtype inputs and output gradient are combined in (they differ under autocast): the widest."""
     dtype = tensors[0].dtype
     for tensor in tensors[1:]:
-        dtype = torch.promote_types(dtype, tensor.dtype)
+        if tensor.dtype is not dtype:  # equal dtypes (the usual case) promote to themselves: no dispatch
+            dtype = torch.promote_types(dtype, tensor.dtype)
     return dtype
 
 

@@ -16,6 +16,7 @@ PyTorch do the same for every large CPU tensor.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 from collections.abc import Sequence
@@ -81,8 +82,18 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 def empty_per_sample(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(shape)``, huge-page backed where possible (for tensors that are written next)."""
     tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-    advise_huge_pages(tensor)
+    if _madvise is not None and tensor.numel() * tensor.element_size() >= _MIN_ADVISED_BYTES:
+        advise_huge_pages(tensor)  # (a smaller block is never advised: skip the call and its checks)
     return tensor
 
 
-__all__ = ["advise_huge_pages", "empty_per_sample"]
+def zeros_per_sample(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``, huge-page backed where possible: ``empty_per_sample(...).zero_()`` for a block large
+    enough to be advised, one ``torch.zeros`` (the same zeros, one op instead of two) below that."""
+    shape = tuple(shape)
+    if _madvise is None or math.prod(shape) * dtype.itemsize < _MIN_ADVISED_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return empty_per_sample(shape, dtype=dtype, device=device).zero_()
+
+
+__all__ = ["advise_huge_pages", "empty_per_sample", "zeros_per_sample"]

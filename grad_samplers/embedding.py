@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from grad_samplers._common import scale_per_example
-from grad_samplers._memory import empty_per_sample
+from grad_samplers._memory import zeros_per_sample
 from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 # What one element-step of the segment form (sort, gather, scatter-add: memory-bound, plus ~10 small ops of
@@ -73,8 +73,16 @@ def _embedding_lookups(
         raise ValueError(
             "nn.Embedding per-sample gradients need indices with a batch dimension; got a scalar index"
         )
-    indices = indices.reshape(batch_size, -1).long()  # int32 indices are allowed by the layer, not by scatter
-    grads = backprops.reshape(batch_size, -1, layer.embedding_dim)
+    # Each step only when it changes something (a reshape to the tensor's own shape and .long() of int64 indices
+    # return the same values through one more dispatch each).
+    if indices.dim() != 2 or indices.shape[0] != batch_size:
+        indices = indices.reshape(batch_size, -1)
+    if indices.dtype is not torch.int64:
+        indices = indices.long()  # int32 indices are allowed by the layer, not by scatter
+    if backprops.dim() == 3 and backprops.shape[2] == layer.embedding_dim:
+        grads = backprops
+    else:
+        grads = backprops.reshape(batch_size, -1, layer.embedding_dim)
     if layer.padding_idx is not None:
         grads = grads * (indices != layer.padding_idx).unsqueeze(-1).to(grads.dtype)
     return indices, grads
@@ -116,22 +124,26 @@ def embedding_grad_sample(
     scale_grad_by_freq=True   ValueError (gradient depends on other examples)
     ========================  =================================================
     """
-    if not layer.weight.requires_grad:
+    weight = layer.weight  # read once (nn.Module.__getattr__ is a Python call)
+    if not weight.requires_grad:
         return {}
     indices, grads = _embedding_lookups(layer, activations, backprops)
     batch_size, num_lookups = indices.shape
     # Huge pages: zero-filling a fresh (batch, vocabulary, dim) buffer page by page dominates this step.
     shape = (batch_size, layer.num_embeddings, layer.embedding_dim)
-    per_sample = empty_per_sample(shape, dtype=grads.dtype, device=grads.device).zero_()
+    per_sample = zeros_per_sample(shape, dtype=grads.dtype, device=grads.device)
     per_sample.scatter_add_(1, indices.unsqueeze(-1).expand(batch_size, num_lookups, layer.embedding_dim), grads)
-    return {layer.weight: per_sample}
+    return {weight: per_sample}
 
 
 def _equal_index_squared_norms(indices: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """``sum_{t,t'} [idx_t == idx_t'] <G_t, G_t'>`` per example: ``T x T`` work and memory."""
     same_index = indices.unsqueeze(2) == indices.unsqueeze(1)
     inner = torch.bmm(grads, grads.transpose(1, 2))
-    return (inner * same_index.to(inner.dtype)).sum(dim=(1, 2))
+    # In place, the flags promoted by the multiply itself: each product is ``inner * 1.0`` or ``inner * 0.0`` as
+    # with the flags converted first (a NaN/Inf inner product still makes NaN), without the conversion's op and the
+    # two temporaries. (Writing the flags as floats with ``torch.eq(..., out=)`` measured no faster in a step.)
+    return inner.mul_(same_index).sum(dim=(1, 2))
 
 
 def _segment_squared_norms(indices: torch.Tensor, grads: torch.Tensor, num_embeddings: int) -> torch.Tensor:
@@ -177,13 +189,14 @@ def embedding_norm_sample(
     scale_grad_by_freq=True   ValueError
     ========================  =================================================
     """
-    if not layer.weight.requires_grad:
+    weight = layer.weight  # read once (nn.Module.__getattr__ is a Python call)
+    if not weight.requires_grad:
         return {}
     indices, grads = _embedding_lookups(layer, activations, backprops)
     batch_size, num_lookups = indices.shape
     if _equal_index_is_cheaper(batch_size, num_lookups, layer.embedding_dim):
-        return {layer.weight: _equal_index_squared_norms(indices, grads)}
-    return {layer.weight: _segment_squared_norms(indices, grads, layer.num_embeddings)}
+        return {weight: _equal_index_squared_norms(indices, grads)}
+    return {weight: _segment_squared_norms(indices, grads, layer.num_embeddings)}
 
 
 def embedding_weighted_sum(
@@ -203,13 +216,14 @@ def embedding_weighted_sum(
     scale_grad_by_freq=True   ValueError
     ========================  =================================================
     """
-    if not layer.weight.requires_grad:
+    weight = layer.weight  # read once (nn.Module.__getattr__ is a Python call)
+    if not weight.requires_grad:
         return {}
     indices, grads = _embedding_lookups(layer, activations, backprops)
     scaled = scale_per_example(grads, weights)
     total = scaled.new_zeros(layer.num_embeddings, layer.embedding_dim)
     total.index_add_(0, indices.reshape(-1), scaled.reshape(-1, layer.embedding_dim))
-    return {layer.weight: total}
+    return {weight: total}
 
 
 # ---------------------------------------------------------------------------------------- nn.EmbeddingBag

@@ -41,17 +41,29 @@ def conv1d_grad_sample(layer: nn.Module, activations, backprops: torch.Tensor) -
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         raise batch_error("Conv1D", "(batch, ..., in_features)", inputs)
     weight, bias = trainable_weight_and_bias(layer)
-    batch_size, positions = backprops.shape[0], inputs.shape[1:-1].numel()
-    dtype = common_dtype(inputs, backprops)
-    # Positions counted explicitly: reshape(batch, -1, ...) is ambiguous for an empty batch.
-    grads = backprops.to(dtype).reshape(batch_size, positions, backprops.shape[-1])
-    weight_grads = bias_grads = None
+    grads, sequences = _batched_sequences(inputs, backprops)
+    per_sample = {}  # filled directly: what keyed_by_parameter gives, once per call
     if weight is not None:
-        sequences = inputs.to(dtype).reshape(batch_size, positions, inputs.shape[-1])
-        weight_grads = torch.bmm(sequences.transpose(1, 2), grads)
+        per_sample[weight] = torch.bmm(sequences.transpose(1, 2), grads)
     if bias is not None:
-        bias_grads = grads.sum(dim=1)
-    return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
+        per_sample[bias] = grads.sum(dim=1)
+    return per_sample
+
+
+def _batched_sequences(inputs: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G (B, positions, out), A (B, positions, in))`` in the operands' common dtype. The operands are returned
+    as they are when already so (3-D, one dtype: GPT-2's projections): a ``.to`` to their own dtype and a reshape
+    to their own shape would each return the same values through one more dispatch."""
+    batch_size = backprops.shape[0]
+    if inputs.dtype is not backprops.dtype:  # autocast: combine in the wider of the two
+        dtype = common_dtype(inputs, backprops)
+        inputs, backprops = inputs.to(dtype), backprops.to(dtype)
+    if inputs.dim() == 3 and backprops.dim() == 3 and inputs.shape[:2] == backprops.shape[:2]:
+        return backprops, inputs
+    # Positions counted explicitly: reshape(batch, -1, ...) is ambiguous for an empty batch.
+    positions = inputs.shape[1:-1].numel()
+    grads = backprops.reshape(batch_size, positions, backprops.shape[-1])
+    return grads, inputs.reshape(batch_size, positions, inputs.shape[-1])
 
 
 #: Per-example squared gradient norms ``(B,)``: ``linear_norm_sample`` (the transpose does not change a

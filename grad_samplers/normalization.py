@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from grad_samplers._common import common_dtype, keyed_by_parameter, scale_per_example, trainable_weight_and_bias
+from grad_samplers._common import common_dtype, scale_per_example, trainable_weight_and_bias
 from grad_samplers.registry import LayerSampler, register_layer_sampler
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm)
@@ -59,7 +59,9 @@ def _normalized_input(layer: _NormLayer, inputs: torch.Tensor) -> torch.Tensor:
             )
         if isinstance(layer, nn.LayerNorm):
             unit, zero = _identity_affine(layer.normalized_shape, inputs)
-            return F.layer_norm(inputs, layer.normalized_shape, unit, zero, layer.eps)
+            # The op F.layer_norm calls, on the same arguments (cudnn_enable does not change what the op
+            # computes), without its Python wrapper; tensor subclasses still dispatch through the op.
+            return torch.layer_norm(inputs, layer.normalized_shape, unit, zero, layer.eps)
         return F.rms_norm(inputs, layer.normalized_shape, None, layer.eps)
     if inputs.dim() < 2 or (isinstance(layer, _InstanceNorm) and inputs.dim() == layer._get_no_batch_dim()):
         raise ValueError(
@@ -87,12 +89,16 @@ def _per_example_sum(layer: _NormLayer, values: torch.Tensor) -> torch.Tensor:
     """Sum ``(B, ...)`` over every axis the layer's affine parameters are broadcast along: ``(B, *param.shape)``."""
     batch_size = values.shape[0]
     if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        if values.dim() == len(layer.normalized_shape) + 2:  # one position axis already: the reshape is a no-op
+            return values.sum(dim=1)
         return values.reshape(batch_size, -1, *layer.normalized_shape).sum(dim=1)
     return values.reshape(batch_size, values.shape[1], -1).sum(dim=2)
 
 
 def _inputs_and_grads(activations, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = activations[0]
+    if inputs.dtype is backprops.dtype:  # the usual case: both .to calls would return their argument
+        return inputs, backprops
     dtype = common_dtype(inputs, backprops)
     return inputs.to(dtype), backprops.to(dtype)
 
@@ -123,12 +129,14 @@ def _affine_per_example(layer: _NormLayer, activations, backprops: torch.Tensor,
     weight, bias = trainable_weight_and_bias(layer)
     inputs, backprops = _inputs_and_grads(activations, backprops)
     grads = backprops.abs() if magnitudes else backprops
-    weight_grads = None
+    # Filled directly (what keyed_by_parameter gives: an entry per trainable parameter), once per call of every norm.
+    sums = {}
     if weight is not None:
         normalized = _normalized_input(layer, inputs)
-        weight_grads = _per_example_sum(layer, grads * (normalized.abs() if magnitudes else normalized))
-    bias_grads = None if bias is None else _per_example_sum(layer, grads)
-    return keyed_by_parameter(((weight, weight_grads), (bias, bias_grads)))
+        sums[weight] = _per_example_sum(layer, grads * (normalized.abs() if magnitudes else normalized))
+    if bias is not None:
+        sums[bias] = _per_example_sum(layer, grads)
+    return sums
 
 
 def normalization_norm_sample(

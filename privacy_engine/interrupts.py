@@ -111,8 +111,11 @@ class _SignalDeferral:
         self._received.append((signum, frame))
 
     def __enter__(self) -> None:
-        if threading.current_thread() is not threading.main_thread() or getattr(_deferring, "active", False):
-            return  # another thread, or nested: the outermost use delivers
+        # Nested first (a thread-local flag: true only on the thread that set it), then the thread, by its identity
+        # (current_thread() is main_thread() exactly when their idents are equal): the same test in the cheaper order
+        # (the noise commit's use, nested in DPOptimizer.step's, skips the thread lookups).
+        if getattr(_deferring, "active", False) or threading.get_ident() != threading.main_thread().ident:
+            return  # nested, or another thread: the outermost use delivers
         originals = {}
         for signum in self._signals:
             handler = _signal.getsignal(signum)

@@ -137,6 +137,44 @@ def test_parameters_equal_the_plain_engine_loop_on_the_same_batches(noise_multip
     assert strategy.privacy_engine.accountant.history == engine.accountant.history
 
 
+class SkippingClassifier(Classifier):
+    """Returns None (Lightning's skip) from ``training_step`` on every third batch."""
+
+    def training_step(self, batch, batch_idx):
+        features, _ = batch
+        if batch_idx % 3 == 1:
+            self(features)  # looked at (a NaN check, say), then skipped
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_batch_the_training_step_skips_is_not_released_nor_counted(mode: str) -> None:
+    module = SkippingClassifier(batch_size=4)
+    strategy = _strategy(grad_sample_mode=mode)
+    _trainer(strategy, max_epochs=1).fit(module)
+    # The reference: the engine's loop on the same batches, leaving out step() where the training step skips.
+    net = _net(torch.float64)
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+        data_loader=DataLoader(_dataset(torch.float64), batch_size=4), noise_multiplier=1.0, max_grad_norm=CLIP,
+        grad_sample_mode=mode, noise_generator=torch.Generator().manual_seed(7),
+    )  # fmt: skip
+    skipped = 0
+    for index, (features, labels) in enumerate(loader):
+        optimizer.zero_grad()
+        if index % 3 == 1 and len(features) > 0:
+            skipped += 1
+            continue
+        if len(features) > 0:
+            nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+    assert skipped > 0
+    _assert_same_parameters(module, net)
+    assert strategy.private_optimizer.steps_taken == len(loader) - skipped == engine.accountant.steps
+
+
 def test_a_datamodules_train_dataloader_is_made_private_the_same_way() -> None:
     class Digits(pl.LightningDataModule):
         def train_dataloader(self):

@@ -248,6 +248,44 @@ def test_a_step_after_an_eval_mode_backward_raises_and_releases_nothing(mode):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_after_a_forward_whose_backward_never_ran_raises_then_the_backward_releases_the_batch(mode):
+    # The step would release noise alone in place of the batch's clipped sum: refused, nothing counted. The
+    # forward is still there: its backward then releases exactly that batch, clipped.
+    engine, model, wrapped, optimizer, loader = private(mode, sigma=0.0)
+    x, y = next(iter(loader))
+    assert len(x) > 0
+    before = snapshot(model)
+    loss = loss_of(wrapped, x, y)
+    with pytest.raises(RuntimeError, match="backward pass never ran"):
+        optimizer.step()
+    assert engine.accountant.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    expected = clipped_sum(model, x, y, clip=0.5)
+    loss.backward()
+    optimizer.step()
+    assert engine.accountant.steps == 1
+    assert_update(before, model, expected, lr=1.0, divisor=8.0)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_batch_skipped_after_its_forward_is_never_released_and_the_next_one_is(mode):
+    # A loop that skips a batch after its forward (a NaN loss) leaves out step(): the next batch is stepped alone.
+    engine, model, wrapped, optimizer, loader = private(mode, sigma=0.0)
+    batches = iter(loader)
+    x, y = next(batches)
+    loss_of(wrapped, x, y)  # looked at, then skipped: no backward, no step
+    optimizer.zero_grad()
+    x, y = next(batches)
+    while len(x) == 0:
+        x, y = next(batches)
+    before = snapshot(model)
+    expected = clipped_sum(model, x, y, clip=0.5)
+    loss_of(wrapped, x, y).backward()
+    optimizer.step()
+    assert engine.accountant.steps == 1
+    assert_update(before, model, expected, lr=1.0, divisor=8.0)
+
+
 def test_a_private_optimizer_over_a_model_never_wrapped_raises():
     from privacy_engine import DPOptimizer
 

@@ -36,12 +36,14 @@ __all__ = [
     "TicketQueue",
     "find_ticket",
     "flat_rows",
+    "forward_tensors",
     "iter_tensors",
     "move_to",
     "row_runs",
     "shares_a_row",
     "tag_batch",
     "tag_tensor",
+    "ticket_of_tensors",
 ]
 
 TICKET_ATTRIBUTE = "_privacy_engine_ticket"
@@ -242,8 +244,22 @@ def _ticket_of(tensor: torch.Tensor, batch_dim: int) -> BatchTicket | None:
 def find_ticket(*values: Any, batch_dim: int = 0) -> BatchTicket | None:
     """The ticket carried by the tensors in ``values``, or by the tagged batch they are views of
     (with the batch along ``batch_dim``); ``RuntimeError`` if they carry two batches' tickets."""
+    return ticket_of_tensors(iter_tensors(list(values)), batch_dim=batch_dim)
+
+
+def forward_tensors(args: tuple, kwargs: Mapping) -> list[torch.Tensor]:
+    """``list(iter_tensors([args, kwargs]))``: the tensors of a forward's arguments, in that order. The usual
+    ``model(x)`` (plain tensors, no keyword) is answered without the generators' walk (at every forward)."""
+    if not kwargs and type(args) is tuple and all(type(arg) is torch.Tensor for arg in args):
+        return list(args)
+    return list(iter_tensors([args, kwargs]))
+
+
+def ticket_of_tensors(tensors: Iterable[torch.Tensor], *, batch_dim: int = 0) -> BatchTicket | None:
+    """``find_ticket`` over tensors already listed (``iter_tensors``' or ``forward_tensors``' answer): the same
+    ticket, or the same ``RuntimeError``."""
     found: BatchTicket | None = None
-    for tensor in iter_tensors(list(values)):
+    for tensor in tensors:
         ticket = _ticket_of(tensor, batch_dim if tensor._base is not None else 0)
         if ticket is None:
             continue
@@ -447,6 +463,10 @@ class TicketQueue:
 
     def take(self, ticket: BatchTicket) -> list[BatchTicket]:
         """Remove ``ticket``'s draw and every older one; return the older (skipped) ones."""
+        tickets = self._tickets
+        if tickets and tickets[0].draw is ticket.draw:  # the oldest: the usual loop, without the scan below
+            tickets.popleft()
+            return []
         if ticket not in self:
             return []
         skipped = []

@@ -229,8 +229,8 @@ def input_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> int | None:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.dim() > batch_dim:
             counts[leaf.shape[batch_dim]] = counts.get(leaf.shape[batch_dim], 0) + 1
-    if not counts:
-        return None
+    if len(counts) < 2:  # (none, or one size: the usual model(x), without the sort below)
+        return next(iter(counts), None)
     ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
         return None

@@ -205,4 +205,9 @@ class WrappedModuleAccess:
     @property
     def wrapped_module(self) -> nn.Module:
         """The model this wrapper holds (``_module``)."""
-        return self._module
+        # Read at every forward and step (the foreign-parameter check): straight from ``_modules``, where
+        # ``nn.Module.__setattr__`` keeps it, without the two Python ``__getattr__`` calls ``self._module`` makes;
+        # anywhere else (not set yet), the usual lookup and its AttributeError.
+        modules = self.__dict__.get("_modules")
+        model = None if modules is None else modules.get("_module")
+        return model if model is not None else self._module

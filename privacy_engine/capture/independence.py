@@ -102,6 +102,15 @@ class IndependenceGuard:
         self._snapshot: list[torch.Tensor | None] | None = None  # buffer copies while a check is pending
 
     # ------------------------------------------------------------------ every forward
+    def _module_objects(self) -> list[nn.Module]:
+        """The modules of ``self.modules`` without their paths, listed once: the structure read at every training
+        forward walks this flat list, not the ``(path, module)`` pairs (one object fewer to load per module)."""
+        cached = self.__dict__.get("_flat_modules")  # (pairs list, its length, the modules)
+        pairs = self.modules
+        if cached is None or cached[0] is not pairs or cached[1] != len(pairs):
+            cached = self._flat_modules = (pairs, len(pairs), [m for _, m in pairs])
+        return cached[2]
+
     def end_loss_monitor(self) -> None:
         """Called at the start of every forward of the wrapper: the previous step's loss is over."""
         if self.monitor is not None:
@@ -116,12 +125,14 @@ class IndependenceGuard:
         changed since the last one, re-run the wrap-time checks (``UnsupportedModuleError`` for a problem;
         ``strict=False``: a warning) and re-arm the row check; snapshot the buffers while the row check is
         pending, and note every buffer's ``_version`` for ``after_training_forward``."""
-        structure = tuple(m.training for _, m in self.modules)
+        structure = tuple([m.training for m in self._module_objects()])  # (at every training forward)
         if structure != self.structure:
             self.structure, self.verified = structure, False
             problems = find_problems(self.module)
             if problems:
                 self._report("cannot compute per-sample gradients:\n- " + "\n- ".join(problems), UnsupportedModuleError)
+        if not self.buffer_slots:
+            return  # a model without buffers (the usual MLP / decoder): nothing to snapshot or watch
         if not self.verified:
             self._snapshot = [_copy(self._buffer(slot)) for slot in self.buffer_slots]
         self._versions = [(b, b._version if b is not None else 0) for b in map(self._buffer, self.buffer_slots)]
@@ -133,6 +144,8 @@ class IndependenceGuard:
         first training forward of a structure with 2 or more examples, run the row check and, when a private
         optimizer is bound, start the loss-coupling monitor on ``output``. A batch of 1 example, or a forward
         in which nothing trainable ran, defers the row check to a later forward. See the class table."""
+        if self.verified and not self.buffer_slots:
+            return  # (the usual forward: no buffer to watch, the row check done; nothing was noted to reset)
         try:
             for slot, (before, version) in zip(self.buffer_slots, self._versions):
                 after = self._buffer(slot)

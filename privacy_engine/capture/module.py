@@ -303,18 +303,24 @@ class GradSampleModule(
                 "this GradSampleModule was unwrapped by to_standard_module(); call the returned module, "
                 "or wrap it again for per-sample gradients"
             )
-        self._independence.end_loss_monitor()
-        for path, batchnorm in self._tables.batchnorms:
-            if batchnorm.training and torch.is_grad_enabled() and self.strict:
-                raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
+        independence = self._independence
+        independence.end_loss_monitor()
+        tables = self._tables
+        # (Grad mode and training mode are read once: nothing below, before the model runs, changes them.)
+        grad_enabled = torch.is_grad_enabled()
+        training = self.training and grad_enabled
+        if tables.batchnorms and grad_enabled and self.strict:
+            for path, batchnorm in tables.batchnorms:
+                if batchnorm.training:
+                    raise UnsupportedModuleError(batchnorm_problem(path, batchnorm))
         # Examples must not interact (capture.independence): buffers written, batch statistics, coupled losses.
         # Only a wrapper bound to a private optimizer releases anything; an unbound one is a per-sample
         # gradient tool and keeps its forward count and side effects.
-        bound = self._consumer is not None and self.training and torch.is_grad_enabled()
+        bound = training and self._consumer is not None
         if bound:
-            self._independence.before_training_forward()
+            independence.before_training_forward()
         if self._usage.phase in ("pending", "armed"):
-            if self.training and torch.is_grad_enabled():
+            if training:
                 self._arm_usage_check()
             elif self._usage.phase == "armed":
                 # A training forward that never reached backward must not judge this one, which computes
@@ -324,21 +330,25 @@ class GradSampleModule(
         self._batch_sizes.forward_batch = None
         if bound:
             self._before_bound_forward()
-        training = self.training and torch.is_grad_enabled()
-        if training:
+        if training and tables.unowned:
             self._check_unowned_frozen()
-        self._flags.in_forward = True
+        module = self._modules["_module"]  # (self._module, without two Python __getattr__ calls)
+        flags = self._flags
+        flags.in_forward = True
         try:
             # (No trainable-root bookkeeping at all for a model whose root owns no parameters: the usual case.)
-            root_parameters = training and bool(self._tables.root_parameters)
-            with self._root_parameter_forward() if root_parameters else contextlib.nullcontext() as root_pass:
-                output = self._module(*args, **kwargs)
+            if training and tables.root_parameters:
+                with self._root_parameter_forward() as root_pass:
+                    output = module(*args, **kwargs)
+            else:
+                root_pass = None
+                output = module(*args, **kwargs)
         finally:
-            self._flags.in_forward = False
-        if training:
+            flags.in_forward = False
+        if root_pass is not None:  # (None: no trainable root parameter, the output is returned as it is)
             output = self._attach_root_parameter_grads(root_pass, args, kwargs, output)
         if bound:
-            self._independence.after_training_forward(self, args, kwargs, output)
+            independence.after_training_forward(self, args, kwargs, output)
             self._after_bound_forward(args, kwargs)
         return output
 

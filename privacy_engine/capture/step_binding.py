@@ -87,17 +87,20 @@ class StepContractBinding:
             # The last backward raised part-way: its per-sample gradients are incomplete.
             self._discard_grad_samples()
         self._consumer.sync_private_parameters()
-        set_binding_fields(self, _generation=self._generation + 1)
+        # (Straight into __dict__, as set_binding_fields does: this runs at every training forward.)
+        self.__dict__["_generation"] = self._generation + 1
 
     def _after_bound_forward(self, args, kwargs) -> None:
-        contract = self._consumer.contract
         batch_size = self._forward_batch_size()
         if batch_size is None:
             return  # nothing trainable ran (every layer frozen): no per-sample gradients to tie
+        consumer = self._consumer
+        contract = consumer.contract
+        fields = self.__dict__  # the binding's fields are set there, as set_binding_fields does (every forward)
         previous = self._forward_ticket
         ticket = contract.resolve(args, kwargs, batch_size, batch_dim=self._batch_dim,
                                   join_pending=self._awaiting_backward)  # fmt: skip
-        set_binding_fields(self, _awaiting_backward=ticket.tracked)
+        fields["_awaiting_backward"] = ticket.tracked
         self._check_second_pass(ticket)
         if previous is None or not ticket.same_rows(previous):
             if previous is not None and self._grad_sample_ticket is None and not contract.already_contributed(previous):
@@ -105,12 +108,12 @@ class StepContractBinding:
             # Only the forwards of the live batch can still be backpropagated (``_check_live``): drop the
             # others' tickets, or the map would keep one ticket (and its padding mask) per step forever.
             # ``previous is None`` after a step released the batch: every earlier forward is dead too.
-            set_binding_fields(self, _generation_tickets={})
+            fields["_generation_tickets"] = {}
         if self._grad_sample_ticket is not None and not ticket.same_rows(self._grad_sample_ticket):
             self.flush_grad_samples()
         self._generation_tickets[self._generation] = ticket
-        set_binding_fields(self, _forward_ticket=ticket)
-        contract.check_parameters_unchanged(self._consumer.params, where="a forward")
+        fields["_forward_ticket"] = ticket
+        contract.check_parameters_unchanged(consumer.params, where="a forward")
 
     def _check_second_pass(self, ticket) -> None:
         """Hooks mode sums a second backward pass over the same examples into the first (see ``_accumulate``)."""

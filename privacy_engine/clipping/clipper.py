@@ -241,10 +241,15 @@ class PerSampleGradientClipper:
                 batch_size, device = squared.shape[0], squared.device
         if batch_size is None:
             raise ValueError("per_param_squared_norms is empty")
-        if len(per_param_squared_norms) == 1 and self.num_groups == 1:
-            # One group (flat clipping) summed first by the caller: the column itself, no stack.
+        if len(per_param_squared_norms) == 1 and len(self.groups) == 1:
+            # One group (flat clipping) summed first by the caller: the column itself, no stack. ``to`` only where
+            # it changes something (the device is the entry's own here); sqrt gives a fresh tensor either way.
             (squared,) = per_param_squared_norms.values()
-            return squared.detach().to(device=device, dtype=dtype).sqrt().unsqueeze(1)
+            if squared.requires_grad:
+                squared = squared.detach()
+            if squared.dtype != dtype:
+                squared = squared.to(dtype=dtype)
+            return squared.sqrt().unsqueeze(1)
         if len(per_param_squared_norms) == self.num_groups == len(
             {self._group_of[id(param)] for param in per_param_squared_norms}
         ):
@@ -271,6 +276,10 @@ class PerSampleGradientClipper:
         norms = self._as_group_norms(per_sample_norms)
         rescale = self.config.rescale_to_unit_norm
         if self.config.clipping == "flat":
+            if padding_mask is None:
+                # The rule is elementwise: the (batch, 1) column's factors are the same floats as those of its
+                # (batch,) view, without the select and unsqueeze around it (two ops per clipping call).
+                return clip_factors(norms, self.bounds[0], rescale_to_unit_norm=rescale)
             return clip_factors(
                 norms.select(1, 0), self.bounds[0], rescale_to_unit_norm=rescale, padding_mask=padding_mask
             ).unsqueeze(1)
@@ -282,7 +291,8 @@ class PerSampleGradientClipper:
         return factors / self.total_bound if rescale else factors
 
     def _as_group_norms(self, per_sample_norms: torch.Tensor) -> torch.Tensor:
-        norms = per_sample_norms.detach()
+        # Detached only where it changes something: the callers read the norms, never write them.
+        norms = per_sample_norms.detach() if per_sample_norms.requires_grad else per_sample_norms
         if norms.dim() == 1 and self.num_groups == 1:
             norms = norms[:, None]
         if norms.dim() != 2 or norms.shape[1] != self.num_groups:
@@ -560,4 +570,6 @@ class PerSampleGradientClipper:
             # Counted against the bounds these norms were just clipped with (fixed within a logical step).
             self.adaptive.count_unclipped_(norms, padding_mask)
         # Copies (a few numbers per example): the caller's tensors may change before the totals are read.
-        self._stat_batches.append((norms.detach().clone(), None if padding_mask is None else padding_mask.clone()))
+        # (clone alone where it gives the same tensor as detach().clone(): norms outside any graph.)
+        kept = (norms.detach() if norms.requires_grad else norms).clone()
+        self._stat_batches.append((kept, None if padding_mask is None else padding_mask.clone()))

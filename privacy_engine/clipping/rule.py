@@ -45,9 +45,13 @@ def clip_factors(
     ``C < 0`` or NaN           ValueError
     =========================  ==============================================
     """
-    bound = check_max_grad_norm(max_grad_norm)
-    check_rescale_to_unit_norm(rescale_to_unit_norm, bound)
-    norms = per_sample_norms.detach()
+    if type(max_grad_norm) is float and 0.0 < max_grad_norm < math.inf and rescale_to_unit_norm is False:
+        bound = max_grad_norm  # what both checks return for it (nothing to refuse): once per clipping call
+    else:
+        bound = check_max_grad_norm(max_grad_norm)
+        check_rescale_to_unit_norm(rescale_to_unit_norm, bound)
+    # Detached only where it changes something (the factors below are fresh tensors either way).
+    norms = per_sample_norms.detach() if per_sample_norms.requires_grad else per_sample_norms
     if bound == 0:
         factors = torch.zeros_like(norms)
     elif math.isinf(bound):

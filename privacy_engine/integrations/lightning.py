@@ -26,6 +26,9 @@ the release; ``save_checkpoint`` / ``load_checkpoint``: the files), so nothing o
   module directly;
 - an empty Poisson batch: ``training_step`` is not called (a model may fail on zero examples); the optimizer
   step that follows releases noise alone, as the accounting assumes;
+- a ``training_step`` that returns None on a batch with examples (Lightning's way to skip a batch): without
+  gradient accumulation nothing is released or recorded for that batch, as a plain loop that skips ``step()``;
+  with ``accumulate_grad_batches=k`` the other micro-batches of the logical batch are released as usual;
 - ``accumulate_grad_batches=k``: one logical batch, Poisson-sampled at rate ``k * batch_size / len(dataset)``,
   is cut into ``k`` micro-batches (sizes differing by at most one; some may be empty); Lightning runs a
   forward and backward on each and steps once: the release is one DP-SGD step, recorded once, divided by
@@ -234,6 +237,9 @@ class DPStrategy(SingleDeviceStrategy):
     ====================================  ==================================================
     empty Poisson batch (or micro-batch)  ``training_step`` not called; the step releases
                                           noise only
+    ``training_step`` returns None on a   skipped: nothing released or recorded (with
+    batch with examples                   accumulation: the logical batch's other
+                                          micro-batches are released)
     a release would pass max_epsilon      not released, not recorded; ``should_stop`` set
     neither / both of noise_multiplier,   ``ValueError`` (at construction)
     target_epsilon
@@ -330,6 +336,7 @@ class DPStrategy(SingleDeviceStrategy):
         #: Whether training stopped because the next release would have passed the budget.
         self.budget_exhausted = False
         self._accumulate = 1
+        self._skipped_by_training_step = False  # the current batch's training_step returned None (not an empty batch)
         self._pending_state: dict[str, Any] | None = None  # the engine's part of a loaded checkpoint
         self._checkpoint_name = "<lightning checkpoint>"
         self._fitted = False
@@ -501,6 +508,7 @@ class DPStrategy(SingleDeviceStrategy):
         self.private_model.training = self.lightning_module.training
         with self.precision_plugin.train_step_context(), _TrainingStepAsForward(self.lightning_module):
             output = self.private_model(*args, **kwargs)
+        self._skipped_by_training_step = output is None
         if self._accumulate == 1:
             return output
         # Lightning divides the loss by accumulate_grad_batches; each micro-batch's loss is already its mean over
@@ -533,8 +541,17 @@ class DPStrategy(SingleDeviceStrategy):
         if self.budget_exhausted:
             closure()  # Lightning expects its closure to run; training_step returns None: nothing is computed
             return None
+        # The closure (training_step and backward) runs first, so that a batch the training_step skipped (None)
+        # is not stepped: the optimizer would refuse a step after a forward whose backward never ran. The
+        # precision plugin still calls its hooks around the closure's result, in the same order.
+        self._skipped_by_training_step = False
+        result = closure()
+        if self._skipped_by_training_step and self._accumulate == 1:
+            self._skipped_by_training_step = False
+            self.private_optimizer.discard_logical_step()
+            return None
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         except PrivacyBudgetExceeded as refusal:
             self.budget_exhausted = True
             self.private_optimizer.discard_logical_step()

@@ -92,15 +92,29 @@ def draw_standard_noise(
             raise ValueError("the counter stream draws at a step: pass step")
         counter_stream.draw_counter_noise(out, scratch, generators, step, std)
         return
-    with torch.no_grad():
-        if not secure_mode:
-            out.normal_(0.0, std, generator=generators[0])
-        else:
-            part_std = std / math.sqrt(len(generators))
-            out.normal_(0.0, part_std, generator=generators[0])
-            for generator in generators[1:]:
-                scratch.normal_(0.0, part_std, generator=generator)
-                out.add_(scratch)
+    if torch.is_grad_enabled():  # (a background thread: grad mode is per thread)
+        with torch.no_grad():
+            _draw_serial(out, scratch, generators, std, secure_mode)
+    else:  # the step's own draw: DPOptimizer.step runs without grad, no context needed
+        _draw_serial(out, scratch, generators, std, secure_mode)
+
+
+def _draw_serial(
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    generators: Sequence[torch.Generator],
+    std: float,
+    secure_mode: bool,
+) -> None:
+    """``draw_standard_noise`` on the serial stream (grad mode off)."""
+    if not secure_mode:
+        out.normal_(0.0, std, generator=generators[0])
+    else:
+        part_std = std / math.sqrt(len(generators))
+        out.normal_(0.0, part_std, generator=generators[0])
+        for generator in generators[1:]:
+            scratch.normal_(0.0, part_std, generator=generator)
+            out.add_(scratch)
 
 
 def draw_and_form(
@@ -159,7 +173,8 @@ class PendingDraw:
 def _same_state(state: torch.Tensor, start: torch.Tensor) -> bool:
     """Whether two generator states are the same bytes: a CPU state (the 5 KB Mersenne-Twister state, or a counter
     key) compared as bytes, about 2x cheaper than ``torch.equal``'s dispatch once per step; any other, by
-    ``torch.equal``. Exact either way: equal bytes, equal length."""
-    if state.device.type == "cpu" and start.device.type == "cpu" and state.dtype == start.dtype == torch.uint8:
+    ``torch.equal``. Exact either way: equal bytes, equal length. (``is_cpu``: the test of ``device.type == "cpu"``
+    without building two device objects; measured ~4 us per step inside a training loop.)"""
+    if state.is_cpu and start.is_cpu and state.dtype == start.dtype == torch.uint8:
         return state.numpy().tobytes() == start.numpy().tobytes()
     return torch.equal(state, start)

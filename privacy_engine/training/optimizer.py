@@ -62,6 +62,11 @@ __all__ = ["STATE_DICT_KEY", "DPOptimizer", "trainable_parameters"]
 _GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _is_not_none = functools.partial(operator.is_not, None)
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled  # what torch.no_grad() calls
+#: Whether torch keeps its global step hooks in the module-level tables read below (else torch's own wrapper runs).
+_GLOBAL_HOOK_TABLES = hasattr(torch_optimizer, "_global_optimizer_pre_hooks") and hasattr(
+    torch_optimizer, "_global_optimizer_post_hooks"
+)
 
 
 class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Optimizer):
@@ -479,7 +484,8 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             self._in_logical_step = True
             return False
         params = self.clipper.params
-        shuffled_batches = self._shuffled_batches_in_release()  # before close(): raises before any release
+        # Before close(): raises before any release (0 without shuffled batches, read here: once per step).
+        shuffled_batches = 0 if self.shuffled_batches is None else self._shuffled_batches_in_release()
         release = self.contract.close()
         rows, loader_step = self._check_release(release, params)
         self._in_logical_step = False
@@ -517,7 +523,8 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         self._grad_marks = dict(zip(map(id, params), zip(map(id, released), map(_VERSION, released))))
         for param in itertools.filterfalse(_REQUIRES_GRAD, self._all_params):
             param.grad = None  # frozen: no noise, no update
-        self._run_step_hooks()
+        if self.__dict__.get("_step_hooks"):
+            self._run_step_hooks()
         return True
 
     def _canary_slot(self, release: Release, loader_step: int | None, shuffled_batches: int) -> CanarySlot:
@@ -580,8 +587,10 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
                 # drawn for a batch that could have held any example. All or nothing: what can raise is built
                 # first, the accountant's record (itself all or nothing) is the first write, plain assignments follow.
                 released_draws = self.contract.released_draws_after(release)
-                divisor = (self.expected_batch_size or 0.0) * max(release.num_draws, shuffled_batches, 1)
-                clip_norms = None if adaptive is None else self._next_clip_norms(unclipped_count, divisor)
+                clip_norms = None
+                if adaptive is not None:
+                    divisor = (self.expected_batch_size or 0.0) * max(release.num_draws, shuffled_batches, 1)
+                    clip_norms = self._next_clip_norms(unclipped_count, divisor)
                 if self.accountant is not None:
                     self.accountant.step(**step_kwargs)
                 self.steps_taken += 1
@@ -617,7 +626,6 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
             job.all_reduce_sum_([count], "the all-reduce of the count of unclipped examples")
         return adaptive.next_clip_norms(count, divisor)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Release one private step and let the wrapped optimizer update the parameters; after
         ``signal_skip_step()``, only clip and accumulate (nothing released, nothing recorded). Returns
@@ -656,18 +664,26 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
 
         If noising or recording fails after the checks, the private parameters' ``.grad`` is set to None
         (it held the un-noised clipped sum) before the error propagates; the step's noise commit is all
-        or nothing (recorded if and only if its noise state advanced)."""
-        scaled_step = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
-        if not scaled_step:
-            return self._step(closure)
+        or nothing (recorded if and only if its noise state advanced).
+
+        Runs without grad, as under ``torch.no_grad()`` (the mode is set and restored as it does: as a decorator it
+        cost ~8 Python calls per step)."""
+        grad_enabled = _grad_enabled()
+        _set_grad_enabled(False)
         try:
-            return self._step(closure, scaled_step=True)
-        except BaseException:
-            # GradScaler removes the attributes it set only when step() returns: a later plain step must
-            # not take them for a scaled one.
-            for name in ("grad_scale", "found_inf"):
-                self.__dict__.pop(name, None)
-            raise
+            scaled_step = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+            if not scaled_step:
+                return self._step(closure)
+            try:
+                return self._step(closure, scaled_step=True)
+            except BaseException:
+                # GradScaler removes the attributes it set only when step() returns: a later plain step must
+                # not take them for a scaled one.
+                for name in ("grad_scale", "found_inf"):
+                    self.__dict__.pop(name, None)
+                raise
+        finally:
+            _set_grad_enabled(grad_enabled)
 
     def _step(self, closure: Callable[[], Any] | None, *, scaled_step: bool = False) -> Any:
         if scaled_step:
@@ -744,11 +760,20 @@ def _profiled_only_when_needed(step: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(step)
     def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        if not _step_without_hooks_or_profiler(self):
-            return profiled(self, *args, **kwargs)
-        out = step(self, *args, **kwargs)
-        self._optimizer_step_code()
-        return out
+        # _step_without_hooks_or_profiler(self), inline (once per step): the tables are read from torch's module at
+        # each call, as torch's wrapper reads them.
+        if (
+            _GLOBAL_HOOK_TABLES
+            and not self._optimizer_step_pre_hooks
+            and not self._optimizer_step_post_hooks
+            and not torch_optimizer._global_optimizer_pre_hooks
+            and not torch_optimizer._global_optimizer_post_hooks
+            and not torch.autograd._profiler_enabled()
+        ):
+            out = step(self, *args, **kwargs)
+            self._optimizer_step_code()
+            return out
+        return profiled(self, *args, **kwargs)
 
     wrapper.hooked = True  # type: ignore[attr-defined]
     return wrapper

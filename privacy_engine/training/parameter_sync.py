@@ -62,12 +62,42 @@ def has_foreign_trainable_parameter(root: nn.Module, known_ids: set[int] | froze
     """Whether a parameter of ``root``'s tree has ``requires_grad`` and an ``id`` outside ``known_ids``: the
     same answer as ``any(p.requires_grad and id(p) not in known_ids for p in root.parameters())``.
 
-    Run twice per step (at the forward and at the step): plain loops, no generators."""
-    for module in _modules_once(root):
+    Run twice per step (at the forward and at the step), so it is one walk that looks at each module's
+    parameters as it reaches the module (plain loops, no generators). A parameter is tested by its ``id``
+    first, which reads nothing of the tensor: only one outside ``known_ids`` (none, usually) has its
+    ``requires_grad`` read. The walk keeps no set of the modules seen: a module reached twice (one registered
+    under two parents, as seq2seq models share their embedding) is looked at twice, which changes no answer;
+    only a cycle in ``_modules`` would never end, so past ``_WALK_LIMIT`` modules the walk is made again
+    with one (``_modules_once``, exact whatever the graph)."""
+    found = [root]
+    append = found.append
+    for module in found:  # grows while it is read: a breadth-first walk
         params = module._parameters
         if params:
             for param in params.values():
-                if param is not None and param.requires_grad and id(param) not in known_ids:
+                if param is not None and id(param) not in known_ids and param.requires_grad:
+                    return True
+        children = module._modules
+        if children:
+            for child in children.values():
+                if child is not None:
+                    append(child)
+            if len(found) > _WALK_LIMIT:
+                return _has_foreign_in(_modules_once(root), known_ids)
+    return False
+
+
+#: Modules (counted with repeats) past which ``has_foreign_trainable_parameter`` walks again with a set of
+#: the modules seen: far more than any real model holds, reached only through a cycle (or a pathological DAG).
+_WALK_LIMIT = 1 << 16
+
+
+def _has_foreign_in(modules: list[nn.Module], known_ids: set[int] | frozenset[int]) -> bool:
+    for module in modules:
+        params = module._parameters
+        if params:
+            for param in params.values():
+                if param is not None and id(param) not in known_ids and param.requires_grad:
                     return True
     return False
 

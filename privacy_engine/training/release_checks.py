@@ -87,6 +87,14 @@ class ReleaseChecks:
                     "step. Nothing was released or counted. Run the forward and backward of the next batch before "
                     "each step()."
                 )
+            forwarded = contract.forwarded_examples_without_backward()
+            if forwarded:
+                raise RuntimeError(
+                    f"optimizer.step() was called after a training forward on a drawn batch of {forwarded} "
+                    f"example(s) whose backward pass never ran: the step would release noise alone in place of that "
+                    f"batch's clipped gradients and count it. Nothing was released or counted. Call loss.backward() "
+                    f"before step(); to skip the batch, call zero_grad() and go on to the next batch without step()."
+                )
         contract.check_parameters_unchanged(params, where="optimizer.step()")
         if release.num_draws > 1 and (self.num_bands > 1 or getattr(self.accountant, "max_batch_size", None)):
             raise RuntimeError(

@@ -59,6 +59,10 @@ exception in forward or backward            that batch's partial state is discar
 a batch skipped (empty, NaN loss, break)    never released; BandMF: its noise row is drawn and
                                             discarded and the step counted, so groups and noise rows
                                             stay tied to the loader's step index
+a training forward on a drawn batch with    ``RuntimeError`` at ``step()``: nothing released or counted
+examples, then ``step()`` with no backward  (it would release noise alone in place of the batch's sum);
+                                            the backward may still run, then ``step()``. A batch of
+                                            padding rows only (or empty) releases noise alone
 prefetcher / ``list(loader)``               tickets travel on the tensors (views of them included);
                                             an exact copy of one of the loader's last 4 batches (or of
                                             a run of its rows) is that batch (or those rows); a copy of
@@ -113,10 +117,11 @@ from privacy_engine.batches.tickets import (
     LoaderOrigin,
     TicketQueue,
     find_ticket,
-    iter_tensors,
+    forward_tensors,
     row_runs,
     shares_a_row,
     tag_tensor,
+    ticket_of_tensors,
 )
 
 __all__ = ["Release", "StepContract"]
@@ -283,19 +288,21 @@ class StepContract:
         =====================================  ==========================================
         """
         self._new_batch = True
-        inputs = list(iter_tensors([args, kwargs]))
+        inputs = forward_tensors(args, kwargs)
         first_input = inputs[0] if inputs else None
         holds_the_batch = True  # the inputs are (views or copies of) the batch, not inputs joined to it
-        ticket = find_ticket(args, kwargs, batch_dim=batch_dim)
+        ticket = ticket_of_tensors(inputs, batch_dim=batch_dim)  # find_ticket(args, kwargs), one walk fewer
         if ticket is None and first_input is not None and self._last_input is not None:
             last, version = self._last_input
             if last() is first_input and first_input._version == version:
                 ticket = self.current  # the same (untagged, unmodified) tensor as the previous forward: that batch
                 holds_the_batch = False
         refusal = ""
-        if ticket is None:
+        if ticket is None and self._queues:
+            # (No loader, no recent batch: nothing is recognised or tagged, and the tickets looked up again
+            # would be the ones just found: none.)
             refusal = self._recognise_copies(inputs, batch_dim)
-            ticket = None if refusal else find_ticket(args, kwargs, batch_dim=batch_dim)
+            ticket = None if refusal else ticket_of_tensors(inputs, batch_dim=batch_dim)
         if ticket is not None and ticket.tracked:
             ticket = self._own(ticket, batch_size)
         if ticket is None:
@@ -312,7 +319,7 @@ class StepContract:
                 queue.take(ticket)
             self._forwarded_draw = ticket.whole()
             if holds_the_batch:
-                self._pending_inputs = tuple((t, batch_dim) for t in inputs if t.dim() > batch_dim)
+                self._pending_inputs = tuple([(t, batch_dim) for t in inputs if t.dim() > batch_dim])
         self.current = ticket
         self._last_input = None if first_input is None else (weakref.ref(first_input), first_input._version)
         return ticket
@@ -444,7 +451,8 @@ class StepContract:
         """Whether a backward pass over exactly ``ticket``'s rows (same draw, same rows) already contributed to
         the open step (fast clipping refuses a second pass over the same rows: it would clip each example
         twice)."""
-        return any(t.same_rows(ticket) for t in self._contributions)
+        contributions = self._contributions  # (empty at the usual forward: no generator then)
+        return bool(contributions) and any(t.same_rows(ticket) for t in contributions)
 
     # ---------------------------------------------------------------------------------------- step
     def close(self) -> Release:
@@ -481,6 +489,18 @@ class StepContract:
             for queued in queue:
                 return queued if queued.size == 0 else None
         return None
+
+    def forwarded_examples_without_backward(self) -> int:
+        """How many examples (padding rows left out) of the newest drawn batch a training forward ran on since the
+        last release, when that batch is not released yet; 0 when there is none or it holds no example. A step with
+        no contribution that would release noise alone in place of such a batch's clipped sum is refused
+        (``ReleaseChecks._check_release``): its backward never ran, so the release would not be the batch's sum."""
+        ticket = self._forwarded_draw
+        if ticket is None or any(ticket.draw is done for done in self._released_draws):
+            return 0
+        if ticket.padding_mask is None:
+            return ticket.size
+        return ticket.size - int(ticket.padding_mask.sum())
 
     def take_unused_draw(self) -> BatchTicket | None:
         """For a step with no contribution, the batch it releases (as noise alone): the drawn batch a

@@ -34,7 +34,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from privacy_engine.clipping.ghost.batched import RankOneLinearLayers, rank_one_linear
+from privacy_engine.clipping.ghost.batched import STACK_ELEMENTS, RankOneLinearLayers, rank_one_linear
 from privacy_engine.clipping.ghost.tied import tied_uses
 from privacy_engine.clipping.ghost.uses import (
     BackwardPass,
@@ -60,7 +60,7 @@ class BackwardPasses:
         passes = self._passes
         if passes.current is None:
             users = self._users_of_pass()  # raises before the pass starts
-            live = [use for use in list(passes.pending) if not use.consumed]
+            live = passes.unconsumed()
             shared = shared_parameters(live)
             # A weight tied between an embedding and linear maps takes the cross-term form (tied.py), not the
             # materialising one: its (B, V, d) per-example gradients are never formed.
@@ -119,7 +119,7 @@ class BackwardPasses:
         state = self._current_pass()
         if self._passes.recomputed:
             self._passes.recomputed = False
-            live = [use for use in list(self._passes.pending) if not use.consumed]
+            live = self._passes.unconsumed()
             tied = state.tied
             if tied is not None:
                 tied.check_recomputed(live)  # a tied weight's recomputed use must have its factor form too
@@ -193,8 +193,10 @@ class BackwardPasses:
         no_user_norm_form = users is not None and not use.stacks_users
         if shared or use.norms is None or keep_per_sample or no_user_norm_form:
             per_sample = use.grads(activations, grads)
-            check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *row_shape(p, r)))
-            per_sample = {param: self._per_user(state, use, value) for param, value in per_sample.items()}
+            if not _whole_per_example_shapes(use.parts, per_sample, batch_size):  # else the check has nothing to refuse
+                check_sampler_result("grad", use, per_sample, lambda p, r: (batch_size, *row_shape(p, r)))
+            if users is not None:
+                per_sample = {param: self._per_user(state, use, value) for param, value in per_sample.items()}
             if shared or keep_per_sample:
                 for param, rows in use.parts:
                     state.add_materialised(param, rows, per_sample[param])
@@ -259,8 +261,8 @@ class BackwardPasses:
         """After a pass was clipped: mark the calls of its forwards that it did not reach (see
         ``_refuse_second_pass``). A call no later backward reaches (an output left out of the loss) is harmless."""
         generations = {use.generation for use in state.reached}
-        for use in list(self._passes.pending):
-            if not use.consumed and use.generation in generations:
+        for use in self._passes.unconsumed():
+            if use.generation in generations:
                 use.forward_clipped = True
 
     def _finish_pass(self) -> None:
@@ -329,23 +331,31 @@ class BackwardPasses:
         squared = dict(state.squared_norms)
         if state.tied is not None:
             state.tied.add_cross_terms(squared)  # and drops the tied uses' factors
-        for param, grads in state.materialised.items():
-            # Added, not assigned: other (disjoint) row blocks of the parameter may have norms already.
-            # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D. Float32 at least.
-            materialised_squared = torch.linalg.vector_norm(
-                grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=_promote_types(grads.dtype, torch.float32)
-            ).square()
-            previous = squared.get(param)
-            squared[param] = materialised_squared if previous is None else previous + materialised_squared
+        materialised = state.materialised
+        # Materialised parameters with no norm yet (the usual case) are reserved at the end, in their order: the
+        # flat sum below may then take their norms stacked, without one entry per parameter.
+        reserved = bool(materialised) and not any(param in squared for param in materialised)
+        if reserved:
+            squared.update(dict.fromkeys(materialised))
+        elif materialised:
+            _add_materialised_squares(squared, materialised)
         plan = self._group_plan(squared, clipper)
         # Summed per clipping group first (one stacked sum, not one indexed add per parameter) and
         # handed over under one member of each group: the clipper adds a group's squares anyway.
-        values = list(squared.values())
         if plan.single_column is not None:
             # One group holding every entry in order (flat clipping): positions are 0..n-1, no list to gather.
             ((first, _),) = plan.groups
-            group_squares = {first: values[0] if len(values) == 1 else torch.stack(values).sum(dim=0)}
+            group_square = _flat_square_sum(list(squared.values()), materialised) if reserved else None
+            if group_square is None:
+                if reserved:
+                    _add_materialised_squares(squared, materialised)  # fills the reserved entries
+                values = list(squared.values())
+                group_square = values[0] if len(values) == 1 else torch.stack(values).sum(dim=0)
+            group_squares = {first: group_square}
         else:
+            if reserved:
+                _add_materialised_squares(squared, materialised)  # fills the reserved entries
+            values = list(squared.values())
             group_squares = {
                 first: values[positions[0]] if len(positions) == 1 else torch.stack([values[i] for i in positions]).sum(dim=0)
                 for first, positions in plan.groups
@@ -401,6 +411,100 @@ class _GroupPlan:
     single_column: int | None
 
 
+def _whole_per_example_shapes(parts: tuple, per_sample: dict, batch_size: int) -> bool:
+    """Whether every part of a call reads its whole parameter and ``per_sample`` holds, for each, a tensor of shape
+    ``(batch_size, *param.shape)``: then ``check_sampler_result`` has nothing to refuse (a loop without its
+    per-part shape tuples; where this says False, the check itself runs)."""
+    for param, rows in parts:
+        value = per_sample.get(param)
+        if rows is not None or value is None:
+            return False
+        shape = value.shape
+        if not shape or shape[0] != batch_size or shape[1:] != param.shape:
+            return False
+    return True
+
+
+def _add_materialised_squares(squared: dict, materialised: dict) -> None:
+    """Add each materialised parameter's per-example squared norms (float32 at least) to ``squared``, in the order
+    of ``materialised``: added, not assigned, as other (disjoint) row blocks of a parameter may have norms already
+    (a reserved entry holds None)."""
+    for param, grads in materialised.items():
+        # reshape, not flatten(1): a 0-dim parameter's per-example gradients are 1-D.
+        value = torch.linalg.vector_norm(
+            grads.reshape(grads.shape[0], param.numel()), dim=1, dtype=_promote_types(grads.dtype, torch.float32)
+        ).square()
+        previous = squared.get(param)
+        squared[param] = value if previous is None else previous + value
+
+
+def _flat_square_sum(values: list, materialised: dict) -> torch.Tensor | None:
+    """``torch.stack(values).sum(dim=0)`` once the reserved last ``len(materialised)`` entries of ``values`` hold
+    the materialised parameters' squared norms, with those norms taken stacked (``_stacked_norms``): the same
+    ``(entries, rows)`` matrix, so the same sum, without one entry per parameter. None (nothing formed) where the
+    stacked form does not apply: another device than the CPU, dtypes that the stack would promote, fewer than two
+    entries; the caller then fills the entries one by one."""
+    first = values[: len(values) - len(materialised)]
+    if not first and len(materialised) < 2:
+        return None
+    norms = _stacked_norms(materialised)
+    if norms is None:
+        return None
+    dtype, rows = norms.dtype, norms.shape[1]
+    for value in first:
+        if not (type(value) is torch.Tensor and value.dtype == dtype and value.is_cpu and value.shape == (rows,)):
+            return None
+    squares = norms.square()
+    return (torch.cat([torch.stack(first), squares]) if first else squares).sum(dim=0)
+
+
+def _stacked_norms(materialised: dict) -> torch.Tensor | None:
+    """The per-example norms (float32 at least; not squared) of the materialised parameters, ``(parameters,
+    rows)`` in the order of ``materialised``, each row the same floats as the parameter's own norm; None unless all
+    are on the CPU in one norm dtype with one number of rows.
+
+    Gradients that are contiguous, small (``STACK_ELEMENTS``) and of one shape and dtype are stacked and take one
+    norm between them (a model of many small layers materialises dozens per pass): each row is reduced over its own
+    contiguous elements exactly as the parameter's own norm reduces it (``tests/test_ghost_batched.py`` checks it
+    bit for bit). Any other gradient (a non-contiguous one would be reduced strided) takes its own norm."""
+    params, grads_list = list(materialised), list(materialised.values())
+    groups: dict = {}  # (shape, dtype) or a position (taken alone) -> positions
+    for position, grads in enumerate(grads_list):
+        if not grads.is_cpu:
+            return None
+        key = (grads.shape, grads.dtype) if grads.is_contiguous() and grads.numel() <= STACK_ELEMENTS else position
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [position]
+        else:
+            members.append(position)
+    pieces, order = [], []
+    for positions in groups.values():
+        grads = grads_list[positions[0]]
+        norm_dtype = _promote_types(grads.dtype, torch.float32)
+        numel = params[positions[0]].numel()
+        if len(positions) == 1:
+            # As _add_materialised_squares (reshape, not flatten(1): a 0-dim parameter's gradients are 1-D).
+            piece = torch.linalg.vector_norm(grads.reshape(grads.shape[0], numel), dim=1, dtype=norm_dtype).unsqueeze(0)
+        else:
+            stacked = torch.stack([grads_list[position] for position in positions])
+            piece = torch.linalg.vector_norm(
+                stacked.reshape(len(positions), grads.shape[0], numel), dim=-1, dtype=norm_dtype
+            )
+            del stacked
+        if pieces and (piece.dtype != pieces[0].dtype or piece.shape[1] != pieces[0].shape[1]):
+            return None  # the caller's stack would promote (or refuse) where this cat would not
+        pieces.append(piece)
+        order.extend(positions)
+    norms = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if order != list(range(len(order))):
+        rank = [0] * len(order)  # the row of each parameter's norm in ``norms``
+        for row, position in enumerate(order):
+            rank[position] = row
+        norms = norms.index_select(0, torch.tensor(rank))
+    return norms
+
+
 def _may_hold_non_finite(norms: torch.Tensor) -> bool:
     """Whether the rows of examples whose factor is 0 must be zeroed before the sums (True when a norm is
     NaN/Inf: a zero factor does not cancel a NaN/Inf). On CPU the check is free; on another device it would
@@ -444,7 +548,9 @@ def _clipped_sums(state: BackwardPass, plan: _GroupPlan, weights: torch.Tensor, 
     deferred, state.deferred = state.deferred, []
     if state.rank_one_linear is not None:
         unbatched: list = []  # (use, activations, G) of calls whose weight and bias sit in different groups
-        state.rank_one_linear.weighted_sums(weights_of_column, sums, group_of, unbatched, single_column)
+        # Flat clipping with nothing to drop: the (B, 1) weights scale every stack as they are.
+        flat = weights if single_column is not None and not drop_non_finite and weights.shape[1] == 1 else None
+        state.rank_one_linear.weighted_sums(weights_of_column, sums, group_of, unbatched, single_column, flat)
         deferred.extend((use, use.sums, activations, grads) for use, activations, grads in unbatched)
     deferred.reverse()
     while deferred:
@@ -469,21 +575,50 @@ def _clipped_sums(state: BackwardPass, plan: _GroupPlan, weights: torch.Tensor, 
                 add_rows(sums, param, rows, result[param])
         del use, weighted_sums, activations, grads, column_activations, column_grads, result
     materialised, state.materialised = state.materialised, {}
-    # Per (column, dtype): the column's weights in the gradients' dtype and, when rows must be dropped, the kept rows.
-    materialised_weights: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    # Per (column, dtype): the column's weights in the gradients' dtype, when rows must be dropped the kept rows, and
+    # the weights as tensordot reshapes them, (1, rows).
+    materialised_weights: dict[tuple, tuple] = {}
+    # The last (column, dtype) and its entry: consecutive parameters nearly always share both (one lookup saved).
+    last_key = last = None
     while materialised:
         param, grads = materialised.popitem()
         column = single_column if single_column is not None else group_of[param]
-        cached = materialised_weights.get((column, grads.dtype))
-        if cached is None:
-            column_weights = weights.select(1, column)
-            keep = column_weights != 0 if drop_non_finite else None
-            cached = materialised_weights[column, grads.dtype] = (column_weights.to(grads.dtype), keep)
-        column_weights, keep = cached
+        key = (column, grads.dtype)
+        if key != last_key:
+            last = materialised_weights.get(key)
+            if last is None:
+                column_weights = weights.select(1, column)
+                keep = column_weights != 0 if drop_non_finite else None
+                column_weights = column_weights.to(grads.dtype)
+                row_weights = column_weights.reshape(1, column_weights.shape[0])
+                last = materialised_weights[key] = (column_weights, keep, row_weights)
+            last_key = key
+        column_weights, keep, row_weights = last
         if drop_non_finite:
             grads = zero_rows(grads, keep)
-        add_rows(sums, param, None, _weighted_rows(column_weights, grads))
-        del grads
+        # _weighted_rows and add_rows (rows None) inlined: once per materialised parameter and pass.
+        dim = grads.dim()
+        if (
+            dim >= 2
+            and type(grads) is torch.Tensor
+            and type(row_weights) is torch.Tensor
+            and 0 < grads.shape[0] == row_weights.shape[1]
+        ):
+            # What tensordot computes, without its permutes and reshapes: its own mm on its own operands (the weights
+            # as (1, rows), the rows flattened as it flattens them), then its result's shape set in place on the
+            # fresh (1, n) product (not a view: the clipper keeps it without a detach). The same floats.
+            if dim == 2:
+                value = torch.mm(row_weights, grads).squeeze_(0)
+            else:
+                value = torch.mm(row_weights, grads.reshape(grads.shape[0], -1))
+                # (resize_ refuses a tensor in a graph: the pass runs without one, so that is only a caller's.)
+                value = value.reshape(grads.shape[1:]) if value.requires_grad else value.resize_(grads.shape[1:])
+        else:
+            value = _weighted_rows(column_weights, grads)
+        previous = sums.setdefault(param, value)
+        if previous is not value:
+            sums[param] = previous + value
+        del grads, value, previous
     return sums
 
 

@@ -112,15 +112,26 @@ class _Stack:
             for call, value in zip(self.calls, self._each(grad_squares)):
                 squared_norms[call.bias] = value
 
-    def weighted_sums(self, weights: torch.Tensor, columns: list[torch.Tensor], sums: dict) -> None:
+    def weighted_sums(
+        self,
+        weights: torch.Tensor | None,
+        columns: list[torch.Tensor] | None,
+        sums: dict,
+        flat: torch.Tensor | None = None,
+    ) -> None:
         """Add each call's ``sum_i weights[l, i] g_i`` into ``sums`` (``weights``: ``(L, B)`` or ``(1, B)``, the
         calls' clipping columns (``(B,)`` for a single call); ``columns``: each call's column as the clipper's
         factors hold it (a strided view under per-layer clipping, which ``mv`` may round differently from a
-        contiguous copy); rows to drop already zero in the operands)."""
+        contiguous copy); rows to drop already zero in the operands). ``flat``: instead of both, the pass's
+        ``(B, 1)`` weights when every call is in their one column: they scale the operands as they are (the same
+        products as the column's ``(1, B, 1)`` view) and the column is their ``select(1, 0)``."""
         first = self.calls[0]
         inputs, grads = self.inputs, self.grads
         in_features, out_features = inputs.shape[-1], grads.shape[-1]
-        per_example = (weights if weights.dtype == grads.dtype else weights.to(grads.dtype)).unsqueeze(-1)
+        if flat is None:
+            per_example = (weights if weights.dtype == grads.dtype else weights.to(grads.dtype)).unsqueeze(-1)
+        else:
+            per_example = flat if flat.dtype == grads.dtype else flat.to(grads.dtype)
         has_weight = first.weight is not None
         # As linear_weighted_sums: scale whichever operand is narrower (same products, same rounding).
         scale_grads = out_features <= in_features or not has_weight
@@ -142,6 +153,8 @@ class _Stack:
             if scale_grads:
                 bias_sums = self._each(transposed.sum(dim=-1))
             else:  # the gradients were left unscaled: weight each example's row, as the per-layer form does
+                if flat is not None:
+                    columns = [flat.select(1, 0)] * len(self.calls)
                 bias_sums = [
                     torch.mv(left, column if column.dtype == grads.dtype else column.to(grads.dtype))
                     for left, column in zip(self._each(transposed), columns)
@@ -185,14 +198,28 @@ class RankOneLinearLayers:
             stack.squared_norms(squared_norms)
 
     def weighted_sums(
-        self, column_weights, sums: dict, group_of: dict, fallback: list, single_column: int | None = None
+        self,
+        column_weights,
+        sums: dict,
+        group_of: dict,
+        fallback: list,
+        single_column: int | None = None,
+        flat: torch.Tensor | None = None,
     ) -> None:
         """Add every call's clipped sum into ``sums``. ``column_weights(column) -> (weights (B,), keep (B,) or
         None)``: a clipping column's weights and, when rows must be dropped, the rows to keep. A call whose
         weight and bias sit in different columns is appended to ``fallback`` as ``(use, inputs, grads)`` for the
         per-layer samplers. ``single_column``: the column of every parameter in ``group_of`` when the caller
-        knows they all share one (flat clipping): each stack is then taken whole, without a lookup per call."""
+        knows they all share one (flat clipping): each stack is then taken whole, without a lookup per call.
+        ``flat``: the weights ``(B, 1)`` when, besides, they have that one column and no row is dropped: each stack
+        is then scaled by them as they are (``_Stack.weighted_sums``), without a column taken and reshaped per stack."""
         stacks, self._stacks = self._stacks, []
+        if flat is not None:
+            while stacks:
+                stack = stacks.pop()
+                stack.weighted_sums(None, None, sums, flat)
+                del stack
+            return
         while stacks:
             stack = stacks.pop()
             if single_column is not None:

@@ -120,10 +120,12 @@ def tied_uses(uses: Sequence[Use], shared: set) -> TiedUses | None:
     """
     if not shared:
         return None
+    # Membership by id, as ``TiedUses._ids``: once per parameter of every live call, at the start of each pass.
+    shared_ids = {id(param) for param in shared}
     uses_of: dict[nn.Parameter, list[Use]] = {}
     for use in uses:
         for param, _ in use.parts:
-            if param in shared:
+            if id(param) in shared_ids:
                 uses_of.setdefault(param, []).append(use)
     candidates = set()
     for param, param_uses in uses_of.items():
@@ -147,13 +149,20 @@ class TiedUses:
 
     def __init__(self, parameters: frozenset) -> None:
         self.parameters = parameters
+        # Membership by id: what ``param in parameters`` decides (a tensor hashes to its id, and a live object's id
+        # is its own), without Tensor.__hash__'s Python call per parameter of every use the pass reaches.
+        self._ids = frozenset(map(id, parameters))
         self._factors: dict[nn.Parameter, list[_Factors]] = {}
         self._cross: dict[nn.Parameter, torch.Tensor] = {}
 
     def touches(self, use: Use) -> bool:
         """Whether ``use`` reads a tied weight (then its norms and sums run as an unshared use's, and ``add``
         gives the cross terms)."""
-        return any(param in self.parameters for param, _ in use.parts)
+        ids = self._ids
+        for param, _ in use.parts:
+            if id(param) in ids:
+                return True
+        return False
 
     def add(self, use: Use, activations: tuple, grads: torch.Tensor, users=None) -> None:
         """Record ``use``'s factors of its tied weight (inputs and output gradient batch first, as the pass
@@ -164,7 +173,7 @@ class TiedUses:
             activations = tuple(users.stack(a) for a in activations)
             grads = users.stack(grads)
         for param, _ in use.parts:
-            if param not in self.parameters:
+            if id(param) not in self._ids:
                 continue
             form = _factor_form(use, param)
             if form is None:  # the pass decided from the same uses: only a changed model gets here
@@ -206,32 +215,57 @@ class TiedUses:
 
 def _inner_products(first: _Factors, second: _Factors) -> torch.Tensor:
     """``<P_i, Q_i>`` per example ``(B,)``, from the two uses' factors, a block of examples at a time."""
-    dtype = torch.promote_types(torch.promote_types(first.columns.dtype, second.columns.dtype), torch.float32)
+    dtype = _at_least_float32(first.columns.dtype, second.columns.dtype)
     batch_size, first_length = first.columns.shape[:2]
     second_length = second.columns.shape[1]
     block = max(1, _CROSS_BLOCK_ELEMENTS // max(1, first_length * second_length))
-    results = []
-    for start in range(0, batch_size, block):
-        rows = slice(start, start + block)
-        column_gram = torch.bmm(first.columns[rows].to(dtype), second.columns[rows].to(dtype).transpose(1, 2))
-        row_gram = _row_gram(first, second, rows).to(dtype)
-        results.append((row_gram * column_gram).sum(dim=(1, 2)))
-    if len(results) == 1:
-        return results[0]  # one block (the usual case): the same values, without cat's copy
+    if 0 < batch_size <= block:  # one block (the usual case): the same values, without slices and cat's copy
+        return _block_inner_products(first, second, None, dtype)
+    results = [
+        _block_inner_products(first, second, slice(start, start + block), dtype)
+        for start in range(0, batch_size, block)
+    ]
     return torch.cat(results) if results else first.columns.new_zeros(0, dtype=dtype)
 
 
-def _row_gram(first: _Factors, second: _Factors, rows: slice) -> torch.Tensor:
-    """``<l_t, l'_u>`` ``(examples, T, T')`` for the examples ``rows``: token equality, a gather of the linear
-    map's output gradient at the embedding's tokens, or a batched matmul."""
+def _at_least_float32(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+    """The wider of two dtypes, float32 at least (``torch.promote_types`` twice, without its dispatches when
+    both are float32 or both float64)."""
+    if first is second and (first is torch.float32 or first is torch.float64):
+        return first
+    return torch.promote_types(torch.promote_types(first, second), torch.float32)
+
+
+def _as(tensor: torch.Tensor, rows: slice | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor[rows].to(dtype)`` (rows None: all; dtype None: its own), each step only when it changes something
+    (a full slice and a ``.to`` to the tensor's own dtype return the same values, through one more dispatch)."""
+    if rows is not None:
+        tensor = tensor[rows]
+    if dtype is not None and tensor.dtype is not dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+def _block_inner_products(first: _Factors, second: _Factors, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
+    """``<P_i, Q_i>`` ``(examples,)`` for the examples ``rows`` (None: all), computed in ``dtype``."""
+    column_gram = torch.bmm(_as(first.columns, rows, dtype), _as(second.columns, rows, dtype).transpose(1, 2))
+    row_gram = _as(_row_gram(first, second, rows), None, dtype)
+    if row_gram.is_contiguous():  # a fresh tensor (gather, bmm, or a conversion) laid out as the product would be
+        return row_gram.mul_(column_gram).sum(dim=(1, 2))
+    return (row_gram * column_gram).sum(dim=(1, 2))
+
+
+def _row_gram(first: _Factors, second: _Factors, rows: slice | None) -> torch.Tensor:
+    """``<l_t, l'_u>`` ``(examples, T, T')`` for the examples ``rows`` (None: all): token equality, a gather of the
+    linear map's output gradient at the embedding's tokens, or a batched matmul."""
     if first.tokens is not None and second.tokens is not None:
-        return first.tokens[rows].unsqueeze(2) == second.tokens[rows].unsqueeze(1)
+        return _as(first.tokens, rows).unsqueeze(2) == _as(second.tokens, rows).unsqueeze(1)
     if first.tokens is not None:
-        row_grads, tokens = second.row_grads[rows], first.tokens[rows]
+        row_grads, tokens = _as(second.row_grads, rows), _as(first.tokens, rows)
         # row_grads[b, u, tokens[b, t]] -> (examples, T', T): transposed to (T, T').
         return torch.gather(row_grads, 2, tokens.unsqueeze(1).expand(-1, row_grads.shape[1], -1)).transpose(1, 2)
     if second.tokens is not None:
-        row_grads, tokens = first.row_grads[rows], second.tokens[rows]
+        row_grads, tokens = _as(first.row_grads, rows), _as(second.tokens, rows)
         return torch.gather(row_grads, 2, tokens.unsqueeze(1).expand(-1, row_grads.shape[1], -1))
-    dtype = torch.promote_types(torch.promote_types(first.row_grads.dtype, second.row_grads.dtype), torch.float32)
-    return torch.bmm(first.row_grads[rows].to(dtype), second.row_grads[rows].to(dtype).transpose(1, 2))
+    dtype = _at_least_float32(first.row_grads.dtype, second.row_grads.dtype)
+    return torch.bmm(_as(first.row_grads, rows, dtype), _as(second.row_grads, rows, dtype).transpose(1, 2))

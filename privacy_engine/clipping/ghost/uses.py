@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,12 @@ def shared_parameters(uses: Sequence[Use]) -> set:
     """Parameters whose uses overlap (a whole-parameter use twice, or overlapping row blocks): their
     per-example norm needs cross terms, so they are materialised."""
     # Keyed by id, not by the parameter: a tensor's __hash__ is a Python call, and this runs over every call of
-    # the pass (the uses hold their parameters, so no id is reused while it runs). Entry: [param, rows, rows, ...].
+    # the pass (the uses hold their parameters, so no id is reused while it runs). No parameter read twice (the
+    # usual case): nothing can overlap, so none is shared (one comprehension instead of the per-part loop below).
+    ids = [id(param) for use in uses for param, _ in use.parts]
+    if len(set(ids)) == len(ids):
+        return set()
+    # Entry: [param, rows, rows, ...].
     spans: dict[int, list] = {}
     for use in uses:
         for param, rows in use.parts:
@@ -229,6 +235,19 @@ class GhostPasses:
     recomputed: bool = False
     buffers: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
 
+    def unconsumed(self) -> list[Use]:
+        """The pending calls whose backward has not run (``not use.consumed``), in the order ``list(pending)`` gives.
+
+        Read twice per backward pass (its start and its end). ``WeakSet``'s own iteration runs a generator under an
+        iteration guard (~10 us for three calls); here its set of weak references is copied in one C call, which
+        runs no Python code (no weakref callback can change the set meanwhile), and each reference is called: the
+        same members. Should the set change size anyway, the copy raises and the ``WeakSet``'s iteration is used."""
+        try:
+            refs = list(self.pending.data)
+        except (AttributeError, RuntimeError):  # pragma: no cover (WeakSet internals moved, or a concurrent change)
+            return [use for use in list(self.pending) if not use.consumed]
+        return [use for use in map(_call, refs) if use is not None and not use.consumed]
+
     def drop_pass(self) -> None:
         """End the current pass (finished or abandoned) and zero the kept buffers: per-example gradients never
         outlive their pass, even in memory kept for the next one."""
@@ -237,6 +256,10 @@ class GhostPasses:
             with torch.no_grad():
                 for buffer in self.buffers.values():
                     buffer.zero_()
+
+
+# ``ref()`` for each weak reference; operator.call (Python 3.11+) runs it without a Python frame per reference.
+_call = getattr(operator, "call", None) or (lambda ref: ref())
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,7 +327,14 @@ def in_float32(function: Callable) -> Callable:
     """
 
     def promoted(activations, grads, *rest):
-        if _is_half(grads) or any(_is_half(a) for a in activations):
+        # (Loops, not ``any`` over a generator: once per sampler call of every layer.)
+        half = _is_half(grads)
+        if not half:
+            for value in activations:
+                if _is_half(value):
+                    half = True
+                    break
+        if half:
             activations = tuple(a.float() if _is_half(a) else a for a in activations)
             grads = grads.float() if _is_half(grads) else grads
         return function(activations, grads, *rest)
