@@ -544,10 +544,9 @@ class DPStrategy(SingleDeviceStrategy):
         # The closure (training_step and backward) runs first, so that a batch the training_step skipped (None)
         # is not stepped: the optimizer would refuse a step after a forward whose backward never ran. The
         # precision plugin still calls its hooks around the closure's result, in the same order.
-        self._skipped_by_training_step = False
+        self._skipped_by_training_step = False  # set by this batch's training_step (not by an empty batch's)
         result = closure()
         if self._skipped_by_training_step and self._accumulate == 1:
-            self._skipped_by_training_step = False
             self.private_optimizer.discard_logical_step()
             return None
         try:

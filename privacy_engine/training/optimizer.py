@@ -258,7 +258,7 @@ class DPOptimizer(ParameterSync, ReleaseChecks, LossScaling, OptimizerState, Opt
         # Optimizer wraps each class's step once (``profile_hook_step``: its step hooks inside a profiler range).
         # The range costs ~10 us per step even with no profiler recording (the wrapped optimizer's own step opens
         # one too): this class's step runs exactly torch's wrapper whenever a profiler records or a step hook is
-        # registered, and else the step alone (``_step_without_hooks_or_profiler``).
+        # registered, and else the step alone (``_profiled_only_when_needed``).
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         cls = type(self)
         if not getattr(cls.step, "hooked", False):
@@ -760,8 +760,8 @@ def _profiled_only_when_needed(step: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(step)
     def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        # _step_without_hooks_or_profiler(self), inline (once per step): the tables are read from torch's module at
-        # each call, as torch's wrapper reads them.
+        # No profiler recording and no step pre/post hook, on the optimizer or globally (once per step, inline): the
+        # tables are read from torch's module at each call, as torch's wrapper reads them.
         if (
             _GLOBAL_HOOK_TABLES
             and not self._optimizer_step_pre_hooks
@@ -779,12 +779,3 @@ def _profiled_only_when_needed(step: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _step_without_hooks_or_profiler(optimizer: Optimizer) -> bool:
-    """Whether no profiler records (``torch.autograd._profiler_enabled``) and no step pre/post hook is registered, on
-    ``optimizer`` or globally (``torch.optim.optimizer.register_optimizer_step_pre_hook``); False where torch keeps the
-    global hooks under other names (then torch's own wrapper runs)."""
-    if torch.autograd._profiler_enabled() or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return False
-    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-    return pre is not None and post is not None and not pre and not post
